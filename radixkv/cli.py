@@ -1,0 +1,42 @@
+"""`radixkv` command line.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and
+`main(args) -> int`; modules keep heavy imports (torch) inside `main`, so
+`radixkv --help` stays fast.
+"""
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "serve": ("tokenizer_server.serve_cmd", "start the OpenAI-compatible server (front + engine worker)"),
+    "generate": ("radixkv.engine.generate_cmd", "generate completions offline for prompts given on the command line"),
+    "bench": ("radixkv.bench_cmd", "run a benchmark: memory accounting, cache ops, throughput, serving load"),
+    "demo": ("radixkv.demo", "build the tiny model, serve it, send shared-prompt requests, print cache figures"),
+    "make-tiny-model": ("radixkv.models.tiny_cmd", "write a tiny random-weight HF model folder (deterministic)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixkv", description="Prefix-caching LLM serving runtime.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if importlib.util.find_spec(module_name) is None:
+            continue  # not part of this installation
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_main=module.main)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
