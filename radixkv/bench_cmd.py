@@ -1,0 +1,36 @@
+"""`radixkv bench NAME ...`: runs a benchmark from the repository's benchmarks/ folder.
+
+Benchmarks are scripts that sit beside the package (not installed with it); each module
+exposes add_arguments(parser) and main(args), like the other subcommands.
+"""
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+BENCHMARKS = {
+    "memory": ("benchmarks.memory", "memory accounting of paging and sharing per workload and block size (CPU)"),
+    "cache-ops": ("benchmarks.cache_ops", "cache manager operations per second on a shared-prompt trace (CPU)"),
+    "kernels": ("benchmarks.kernels", "paged attention kernels vs contiguous SDPA (GPU)"),
+    "throughput": ("benchmarks.throughput", "engine throughput vs HF transformers on one GPU"),
+    "serve": ("benchmarks.serve", "drive a running server with a workload: TTFT, TPOT, latency, hit rate"),
+}
+REPO = Path(__file__).resolve().parent.parent
+
+
+def add_arguments(p) -> None:
+    p.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHMARKS.items()))
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (see NAME --help)")
+
+
+def main(args) -> int:
+    if not (REPO / "benchmarks").is_dir():
+        print(f"benchmarks/ not found beside the package ({REPO}); run from a source checkout", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(REPO))
+    module_name, help_text = BENCHMARKS[args.name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"radixkv bench {args.name}", description=help_text)
+    module.add_arguments(parser)
+    return int(module.main(parser.parse_args(args.bench_args)) or 0)
