@@ -1,0 +1,63 @@
+"""Paged attention as the decoder sees it: write this step's K/V into their slots, then attend
+over each sequence's block table (cached prefix + new tokens, causal).
+
+The kernels package supplies both backends with one signature: Triton on CUDA, the pure-torch
+reference elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+BACKENDS = ("triton", "torch")
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, slot of each new token (< 0: not written)
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, query offsets into the flattened batch
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    max_seqlen_q: int
+
+
+def attention_ops(backend: str):
+    """(store_kv, paged_attention) for a backend name."""
+    if backend == "triton":
+        from kernels import paged_attention, store_kv
+
+        return store_kv, paged_attention
+    if backend == "torch":
+        from kernels.reference import paged_attention_ref, store_kv_ref
+
+        return store_kv_ref, paged_attention_ref
+    raise ValueError(f"attention backend {backend!r} not in {BACKENDS}")
+
+
+class PagedAttention(nn.Module):
+    """Holds its layer's K/V cache views; the model runner binds them after allocation."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.store_kv, self.paged_attention = attention_ops(backend)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        assert self.k_cache is not None, "KV cache not bound to the attention layer"
+        self.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            scale=self.scale,
+            max_seqlen_q=meta.max_seqlen_q,
+        )

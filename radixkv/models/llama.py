@@ -1,0 +1,99 @@
+"""The Llama-style decoder, shared by the supported families.
+
+Variants are config flags, set per family in config.py:
+  Llama    attention_bias / mlp_bias as configured
+  Qwen2    q/k/v biases, no o bias
+  Qwen3    RMSNorm over each q and k head before RoPE
+  Mistral  plain Llama; a sliding window caps the context at the window (exact there)
+
+The forward runs over a flattened variable-length batch: input_ids and positions are [T],
+attention reads and writes the paged KV cache through AttentionMetadata. No padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixkv.models.attention import AttentionMetadata, PagedAttention
+from radixkv.models.config import ModelConfig
+from radixkv.models.layers import GatedMLP, Linear, RMSNorm, merged_shards
+from radixkv.models.rope import RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str):
+        super().__init__()
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = h * d, kvh * d
+        shards = merged_shards(["q_proj", "k_proj", "v_proj"], [self.q_size, self.kv_size, self.kv_size])
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, shards)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.attn = PagedAttention(h, kvh, d, backend)
+
+    def forward(self, x: torch.Tensor, cos_sin, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.attn.num_heads, self.attn.head_dim)
+        k = k.reshape(t, self.attn.num_kv_heads, self.attn.head_dim)
+        v = v.reshape(t, self.attn.num_kv_heads, self.attn.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+        o = self.attn(q, k, v.contiguous(), meta)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x, cos_sin, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str, max_positions: int):
+        super().__init__()
+        self.rotary_emb = RotaryEmbedding(cfg, max_positions)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb(positions, x.dtype)  # gathered once, used by every layer
+        for layer in self.layers:
+            x = layer(x, cos_sin, meta)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str = "torch", max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend, max_positions or cfg.max_model_len)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] before the final norm."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the given rows; the final norm is per token, so only those rows pay for it."""
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(self.model.norm(hidden), weight)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
