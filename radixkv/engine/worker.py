@@ -1,0 +1,173 @@
+"""The engine worker process: `python -m radixkv.engine.worker CONFIG_JSON`.
+
+Started by the front (tokenizer_server). Connects a PULL socket for requests and a
+PUSH socket for outputs, builds the Engine, says hello (WorkerReady) and loops:
+drain the request socket without blocking while requests run (block, with a
+timeout, when idle), run one step, send one StepOutput for everything that step
+produced. Each time the engine goes idle it checks the cache invariants and sends a
+stats snapshot, so the front's /metrics shows the settled pool.
+
+It exits on SIGTERM, when its parent dies (PR_SET_PDEATHSIG, and a getppid check in
+the loop for the moment between fork and prctl), or when the engine raises; in the
+last case it first sends WorkerFatal with the error. SIGINT is ignored: a Ctrl-C in
+the terminal reaches the whole process group, and the front, not the worker,
+decides the order of shutdown.
+"""
+
+import ctypes
+import os
+import signal
+import sys
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from radixkv import protocol as P
+
+IDLE_POLL_MS = 200  # how often an idle worker looks at the stop flag and its parent
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the getppid check in the loop still notices
+
+
+def to_sampling_params(opts: P.SamplingOptions):
+    from radixkv.engine.sampling_params import SamplingParams
+
+    return SamplingParams(**msgspec.structs.asdict(opts))
+
+
+def to_delta(out) -> P.RequestDelta:
+    """Engine RequestOutput -> RequestDelta (logprobs split into sampled / top-k)."""
+    choices = []
+    for c in out.outputs:
+        lps = tops = None
+        if c.logprobs is not None:
+            lps = [d[t] for t, d in zip(c.new_token_ids, c.logprobs)]
+            tops = [dict(d) for d in c.logprobs]
+        choices.append(P.ChoiceDelta(c.index, list(c.new_token_ids), lps, tops, c.finish_reason))
+    return P.RequestDelta(out.request_id, choices, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
+
+
+class Worker:
+    def __init__(self, cfg: P.WorkerConfig, engine, req_sock, out_sock):
+        self.cfg, self.engine, self.req, self.out = cfg, engine, req_sock, out_sock
+        self.enc = P.make_encoder()
+        self.dec = P.make_decoder("to_worker")
+        self.stop = False
+        self.invariant_checks = 0
+        self.last_stats = 0.0
+
+    def stats(self) -> P.EngineStats:
+        m = self.engine.metrics()
+        c = m["cache"]
+        self.last_stats = time.monotonic()
+        return P.EngineStats(
+            num_blocks=c["num_blocks"], block_size=c["block_size"], free_blocks=c["free_blocks"],
+            evictable_blocks=c["evictable_blocks"], in_use_blocks=c["in_use_blocks"], running=m["running"],
+            waiting=m["waiting"], preemptions=m["preemptions"], prompt_tokens=m["prompt_tokens"],
+            generation_tokens=m["generation_tokens"], prefix_query_tokens=c["prefix_query_tokens"],
+            prefix_hit_tokens=c["prefix_hit_tokens"], invariant_checks=self.invariant_checks,
+        )
+
+    def ready_message(self) -> P.WorkerReady:
+        e = self.engine
+        return P.WorkerReady(os.getpid(), P.PROTOCOL_VERSION, e.num_blocks, e.block_size, e.max_model_len,
+                             e.model_config.vocab_size, self.stats())
+
+    def send(self, msg) -> None:
+        self.out.send(self.enc.encode(msg))
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, P.GenerateRequest):
+            try:
+                params = to_sampling_params(msg.sampling)
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)
+            except (ValueError, TypeError) as e:  # bad input the front could not judge
+                self.send(P.RequestRejected(msg.request_id, str(e)))
+        elif isinstance(msg, P.AbortRequest):
+            for rid in msg.request_ids:
+                self.engine.abort_request(rid)
+
+    def drain(self, timeout_ms: int) -> None:
+        if not self.req.poll(timeout_ms, zmq.POLLIN):
+            return
+        while True:
+            try:
+                buf = self.req.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(self.dec.decode(buf))
+
+    def run(self) -> int:
+        self.send(self.ready_message())
+        dirty = False  # something happened since the last idle check
+        while not self.stop and os.getppid() == self.cfg.parent_pid:
+            busy = self.engine.has_unfinished_requests()
+            self.drain(0 if busy else IDLE_POLL_MS)
+            if self.engine.has_unfinished_requests():
+                dirty = True
+                outputs = self.engine.step()
+                stats = None
+                if time.monotonic() - self.last_stats >= self.cfg.stats_interval_s:
+                    stats = self.stats()
+                if outputs or stats is not None:
+                    self.send(P.StepOutput([to_delta(o) for o in outputs], stats))
+            if dirty and not self.engine.has_unfinished_requests():
+                dirty = False
+                self.engine.cache.check_invariants()  # AssertionError -> fatal
+                self.invariant_checks += 1
+                self.send(P.StepOutput([], self.stats()))
+        return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m radixkv.engine.worker CONFIG_JSON (started by `radixkv serve`)", file=sys.stderr)
+        return 2
+    cfg = msgspec.json.decode(argv[0], type=P.WorkerConfig)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    worker = None
+
+    def on_term(*_):
+        if worker is None:
+            raise SystemExit(0)  # still loading the model: leave now
+        worker.stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    ctx = zmq.Context()
+    req, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    req.setsockopt(zmq.RCVHWM, 0)
+    out.setsockopt(zmq.SNDHWM, 0)  # the front reads all the time; never block a step on it
+    req.connect(cfg.request_addr)
+    out.connect(cfg.output_addr)
+    try:
+        from radixkv.engine.config import EngineConfig
+        from radixkv.engine.engine import Engine
+
+        # The worker checks the invariants itself, once per idle transition, and counts them.
+        engine = Engine(EngineConfig(**{"check_invariants": False, **cfg.engine_args}))
+        worker = Worker(cfg, engine, req, out)
+        return worker.run()
+    except SystemExit:
+        raise
+    except BaseException as e:
+        traceback.print_exc()
+        out.send(P.make_encoder().encode(P.WorkerFatal(f"{type(e).__name__}: {e}")))
+        return 1
+    finally:
+        req.close(linger=0)
+        out.close(linger=1000)  # let a last WorkerFatal reach the front
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

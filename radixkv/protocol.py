@@ -1,0 +1,145 @@
+"""Messages that cross the ZeroMQ boundary between the front and the engine worker.
+
+This module is the only code both processes share: it imports msgspec and nothing
+from the engine, so the front never loads torch for it. Every message is a tagged
+msgspec struct encoded with msgpack; one decoder per direction decodes the union.
+
+Front -> worker (one PUSH/PULL pipe):  GenerateRequest, AbortRequest.
+Worker -> front (another pipe):        WorkerReady, StepOutput, RequestRejected, WorkerFatal.
+
+A StepOutput carries every request that had news in one engine step, so the
+message rate follows the step rate, not the token rate.
+"""
+
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class SamplingOptions(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Mirror of the engine's SamplingParams; the worker converts field by field."""
+
+    n: int = 1
+    best_of: Union[int, None] = None
+    max_tokens: Union[int, None] = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: Union[int, None] = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: Union[int, None] = None  # None: off; k: the sampled token's logprob plus the top k
+
+
+# ---- front -> worker -------------------------------------------------------------------------
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    cache_salt: Union[str, None] = None
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+# ---- worker -> front -------------------------------------------------------------------------
+
+
+class EngineStats(msgspec.Struct, omit_defaults=True):
+    """A snapshot of the engine and its block pool; counters are totals since start."""
+
+    num_blocks: int
+    block_size: int
+    free_blocks: int
+    evictable_blocks: int
+    in_use_blocks: int
+    running: int
+    waiting: int
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    invariant_checks: int = 0  # idle-time cache invariant checks that passed
+
+
+class WorkerReady(msgspec.Struct, tag="ready"):
+    pid: int
+    protocol_version: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    stats: EngineStats
+
+
+class ChoiceDelta(msgspec.Struct, omit_defaults=True, array_like=True):
+    index: int
+    new_token_ids: list[int]
+    logprobs: Union[list[float], None] = None
+    # per new token: {token id: logprob} of the most likely tokens, when asked for
+    top_logprobs: Union[list[dict[int, float]], None] = None
+    finish_reason: Union[str, None] = None  # None | "stop" | "length" | "abort"
+
+
+class RequestDelta(msgspec.Struct, omit_defaults=True, array_like=True):
+    request_id: str
+    choices: list[ChoiceDelta]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool = False
+
+
+class StepOutput(msgspec.Struct, tag="step", omit_defaults=True):
+    outputs: list[RequestDelta]
+    stats: Union[EngineStats, None] = None
+
+
+class RequestRejected(msgspec.Struct, tag="rejected", omit_defaults=True):
+    """add_request raised ValueError: bad input the front could not see (e.g. the pool is too small)."""
+
+    request_id: str
+    message: str
+
+
+class WorkerFatal(msgspec.Struct, tag="fatal"):
+    """The worker cannot go on (start-up failed, the engine raised); it exits right after."""
+
+    message: str
+
+
+ToWorker = Union[GenerateRequest, AbortRequest]
+FromWorker = Union[WorkerReady, StepOutput, RequestRejected, WorkerFatal]
+
+
+class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """How the front starts a worker: passed as JSON on the worker's command line."""
+
+    request_addr: str  # the worker PULLs requests here
+    output_addr: str  # the worker PUSHes outputs here
+    parent_pid: int
+    engine_args: dict[str, Union[str, int, float, bool, None]]
+    stats_interval_s: float = 0.5
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def make_decoder(direction: str) -> msgspec.msgpack.Decoder:
+    """direction "to_worker" or "from_worker"."""
+    if direction == "to_worker":
+        return msgspec.msgpack.Decoder(ToWorker)
+    if direction == "from_worker":
+        return msgspec.msgpack.Decoder(FromWorker)
+    raise ValueError(f"direction must be 'to_worker' or 'from_worker', got {direction!r}")

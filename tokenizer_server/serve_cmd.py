@@ -1,0 +1,133 @@
+"""`radixkv serve MODEL_DIR`: the front process (uvicorn + FastAPI) and its engine worker.
+
+Start-up order: load the tokenizer, start the worker and wait for its hello (model
+loaded, KV pool allocated), bind the port, print where it listens and the pool size.
+Exit codes: 0 after SIGINT/SIGTERM, 1 when the worker died (without
+--restart-worker) or could not start, 2 for a bad model folder.
+"""
+
+import sys
+
+# Engine options passed to the worker only when given, so the engine's defaults apply.
+ENGINE_OPTIONS = {
+    "device": str, "dtype": str, "block_size": int, "num_blocks": int, "max_num_seqs": int,
+    "max_num_batched_tokens": int, "max_model_len": int, "max_prefill_chunk": int,
+    "gpu_memory_utilization": float, "cpu_kv_cache_gib": float, "seed": int, "load_format": str,
+    "scheduling_policy": str, "hash_algo": str,
+}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model_dir", help="HF model folder (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable: one key per tenant; each key "
+                        "gets its own default cache salt)")
+    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="model name(s) clients use (repeatable; default: MODEL_DIR as given)")
+    for name, typ in ENGINE_OPTIONS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"engine option {name}")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--restart-worker", action="store_true",
+                   help="restart a dead engine worker instead of exiting (in-flight requests still fail)")
+    p.add_argument("--worker-ready-timeout", type=float, default=600.0, help="seconds to wait for the worker to load")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def engine_args_from(args) -> dict:
+    out = {"model_dir": str(args.model_dir)}
+    for name in ENGINE_OPTIONS:
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    if args.no_prefix_caching:
+        out["enable_prefix_caching"] = False
+    if args.enforce_eager:
+        out["enforce_eager"] = True
+    return out
+
+
+def main(args) -> int:
+    import asyncio
+    import logging
+    import os
+    import signal
+
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from tokenizer_server.app import build_app
+    from tokenizer_server.launcher import WorkerSupervisor
+    from tokenizer_server.metrics import ServerMetrics
+    from tokenizer_server.serving_common import ServerState
+
+    if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+        print(f"radixkv serve: {args.model_dir!r} is not a model folder (no config.json)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
+    exit_code = 0
+
+    def on_fatal(code: int) -> None:
+        nonlocal exit_code
+        exit_code = code
+        server.should_exit = True
+
+    supervisor = WorkerSupervisor(engine_args_from(args), restart=args.restart_worker, on_fatal=on_fatal,
+                                  ready_timeout=args.worker_ready_timeout)
+    state = ServerState(tokenizer=tokenizer, supervisor=supervisor, metrics=None,
+                        served_model_names=args.served_model_name or [str(args.model_dir)], api_keys=args.api_key)
+    state.metrics = ServerMetrics(lambda: supervisor.client.stats, supervisor.is_running)
+
+    async def startup() -> None:
+        async def stop_requested():
+            while not server.should_exit:
+                await asyncio.sleep(0.1)
+
+        start, stop = asyncio.ensure_future(supervisor.start()), asyncio.ensure_future(stop_requested())
+        try:
+            await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not start.done():
+                start.cancel()
+                raise RuntimeError("stopped during start-up")
+            start.result()
+        except BaseException:
+            supervisor.stop()
+            raise
+        finally:
+            stop.cancel()
+
+    async def shutdown() -> None:
+        supervisor.stop()
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                info = supervisor.client.ready
+                print(
+                    f"radixkv: serving {', '.join(state.served_model_names)} at http://{host}:{port}/v1 "
+                    f"(front pid {os.getpid()}, engine worker pid {supervisor.proc.pid}); KV pool: "
+                    f"{info.num_blocks} blocks x {info.block_size} tokens = {info.num_blocks * info.block_size} "
+                    f"tokens; max model length {info.max_model_len}",
+                    flush=True,
+                )
+
+    app = build_app(state, on_startup=startup, on_shutdown=shutdown)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="on")
+    server = Server(config)
+    # uvicorn re-raises the signal that stopped it once it is done; with these handlers in
+    # place that re-raise is harmless and main() returns its exit code.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        supervisor.stop()
+    if not server.started and exit_code == 0:
+        exit_code = 1  # start-up failed
+    return exit_code

@@ -1,0 +1,162 @@
+"""What /v1/completions and /v1/chat/completions share: the server state, checks that need
+the model (context length, vocabulary), SamplingOptions, and the two ways a group's
+events leave: collected into one JSON body, or streamed as server-sent events."""
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from radixkv import protocol as P
+from tokenizer_server.errors import APIError, bad_request
+from tokenizer_server.generation import GenerationGroup
+
+
+@dataclass
+class ServerState:
+    tokenizer: object
+    supervisor: object  # WorkerSupervisor
+    metrics: object  # ServerMetrics
+    served_model_names: list[str]
+    api_keys: list[str] = field(default_factory=list)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_info(self) -> P.WorkerReady:
+        ready = self.supervisor.client.ready
+        if ready is None:
+            raise APIError(503, "the engine is unavailable: the worker is not running", code="engine_unavailable")
+        return ready
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model not in state.served_model_names:
+        raise APIError(404, f"model: the model `{model}` does not exist; served: {state.served_model_names}",
+                       param="model", code="model_not_found")
+
+
+def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
+    info = state.model_info
+    if not ids:
+        raise bad_request(param, "the prompt is empty (no tokens)")
+    bad = next((t for t in ids if t >= info.vocab_size), None)
+    if bad is not None:
+        raise bad_request(param, f"token id {bad} is out of the vocabulary (size {info.vocab_size})")
+    if len(ids) >= info.max_model_len:
+        raise bad_request(
+            param,
+            f"the prompt has {len(ids)} tokens; this model's context is {info.max_model_len} tokens "
+            "and at least one must be left for output",
+            code="context_length_exceeded",
+        )
+
+
+def resolve_max_tokens(state: ServerState, prompts: list[list[int]], requested: int | None, default: int | None,
+                       param: str = "max_tokens") -> int:
+    """requested: what the client asked for; default: None means "up to the context limit"."""
+    limit = state.model_info.max_model_len - max(len(p) for p in prompts)
+    if requested is None:
+        return limit if default is None else min(default, limit)
+    if requested > limit:
+        raise bad_request(
+            param,
+            f"{requested} output tokens do not fit: the prompt has {state.model_info.max_model_len - limit} tokens "
+            f"and this model's context is {state.model_info.max_model_len}",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def build_sampling(req, max_tokens: int, logprobs: int | None) -> P.SamplingOptions:
+    if req.min_tokens > max_tokens:
+        raise bad_request("min_tokens", f"{req.min_tokens} is more than max_tokens ({max_tokens})")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None:
+        if best_of < req.n:
+            raise bad_request("best_of", f"must be >= n ({req.n}), got {best_of}")
+        if req.stream and best_of > req.n:
+            raise bad_request("best_of", "streaming is not supported when best_of > n")
+    return P.SamplingOptions(
+        n=req.n,
+        best_of=best_of,
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        seed=req.seed,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+    )
+
+
+def effective_salt(request: Request, cache_salt: str | None) -> str | None:
+    """The client's salt wins; else the API key's own salt (set by the auth middleware)."""
+    if cache_salt is not None:
+        return cache_salt
+    return request.scope.get("radixkv.key_salt")
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def sse(obj) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def collect(group: GenerationGroup, request: Request) -> list:
+    """All events of a non-streamed request. A client that hangs up aborts the request."""
+
+    async def watch_disconnect():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        group.close()
+        group.cancel("client disconnected")
+
+    watcher = asyncio.get_running_loop().create_task(watch_disconnect())
+    events = []
+    try:
+        while not group.finished:
+            events.extend(await group.next_events())
+    finally:
+        watcher.cancel()
+        group.close()
+    return events
+
+
+def stream(group: GenerationGroup, first_events: list, to_chunks, tail) -> StreamingResponse:
+    """Server-sent events: to_chunks(events) -> chunk dicts; tail() -> final chunks (usage).
+    A client that disconnects cancels the generator, whose finally aborts the request."""
+
+    async def body():
+        try:
+            for chunk in to_chunks(first_events):
+                yield sse(chunk)
+            while not group.finished:
+                for chunk in to_chunks(await group.next_events()):
+                    yield sse(chunk)
+            for chunk in tail():
+                yield sse(chunk)
+        except APIError as e:  # the worker died mid-stream: the status line is sent already
+            yield sse(e.body())
+        finally:
+            group.close()
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
