@@ -1,0 +1,149 @@
+"""Batched sampling over the logits rows of the sequences that produce a token this step.
+
+Order (vLLM's): min_tokens masking, penalties, then greedy argmax or temperature, min-p,
+top-k / top-p and a draw. The draw is an exponential race (argmax of p / E with E ~ Exp(1)),
+which samples from p; each seeded sequence fills its own E from its own generator, so its
+tokens do not depend on what else is in the batch. Logprobs are of the raw model
+distribution (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixkv.engine.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token (for cumulative_logprob and best_of)
+    top_logprobs: list[dict[int, float] | None]  # rows that asked: sampled token + its top k
+
+
+def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    arr = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        arr[i, : len(r)] = r
+    return torch.from_numpy(arr).to(device)
+
+
+def apply_penalties(logits, prompts, outputs, rep, freq, pres):
+    """In place. rep: multiplicative on tokens seen anywhere; freq/pres: additive on the output."""
+    rows, vocab = logits.shape
+    out_ids = _padded(outputs, vocab, logits.device)
+    counts = torch.zeros(rows, vocab + 1, device=logits.device, dtype=logits.dtype)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    if bool((rep != 1.0).any()):
+        seen = torch.zeros(rows, vocab + 1, device=logits.device, dtype=torch.bool)
+        seen.scatter_(1, _padded(prompts, vocab, logits.device), True)
+        seen = seen[:, :vocab] | (counts > 0)
+        r = rep.unsqueeze(1)
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits))
+    logits -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) all but the k best tokens and the smallest set with probability >= p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    drop = rank >= k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    # keep a token if the mass strictly before it is below p (the best token always stays)
+    drop |= (probs.cumsum(-1) - probs) >= p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, device, eos_token_ids: tuple[int, ...], seed: int = 0):
+        self.device = torch.device(device)
+        self.eos = list(eos_token_ids)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # unseeded requests
+
+    def _seq_generator(self, seq: Sequence) -> torch.Generator:
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
+        return seq.generator
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        assert logits.shape[0] == len(seqs)
+        logits = logits.float()
+        params = [s.params for s in seqs]
+        want_lp = [p.logprobs for p in params]
+        raw_logprobs = logits.log_softmax(-1)
+        logits = logits.clone()
+        self._mask_min_tokens(logits, seqs)
+        rep = [p.repetition_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        if any(r != 1.0 for r in rep) or any(freq) or any(pres):
+            t = lambda xs: torch.tensor(xs, dtype=torch.float32, device=logits.device)  # noqa: E731
+            apply_penalties(logits, [s.token_ids[: s.num_prompt_tokens] for s in seqs],
+                            [s.output_token_ids for s in seqs], t(rep), t(freq), t(pres))
+        tokens = logits.argmax(-1)
+        if not all(p.greedy for p in params):
+            tokens = torch.where(self._greedy_mask(params), tokens, self._draw(logits, seqs, params))
+        return self._pack(tokens, raw_logprobs, want_lp)
+
+    def _greedy_mask(self, params) -> torch.Tensor:
+        return torch.tensor([p.greedy for p in params], device=self.device)
+
+    def _mask_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows, cols = [], []
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens:
+                stops = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else self.eos)
+                rows += [i] * len(stops)
+                cols += stops
+        if rows:
+            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], params) -> torch.Tensor:
+        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=logits.device)  # noqa: E731
+        temp = f32([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        logits = logits / temp.unsqueeze(1)
+        vocab = logits.shape[1]
+        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = apply_top_k_top_p(logits, torch.tensor(top_k, device=logits.device), f32(top_p))
+        probs = logits.softmax(-1)
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            floor = f32(min_p).unsqueeze(1) * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.params.seed is not None and not s.params.greedy:
+                noise[i].exponential_(generator=self._seq_generator(s))
+        # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick
+        return (probs / noise.clamp_min_(1e-30)).argmax(-1)
+
+    def _pack(self, tokens: torch.Tensor, raw_logprobs, want_lp) -> SamplerOutput:
+        token_list = tokens.tolist()
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        if all(k is None for k in want_lp):
+            return SamplerOutput(token_list, chosen, [None] * len(token_list))
+        k_max = max(k for k in want_lp if k is not None)
+        top_vals = top_ids = None
+        if k_max > 0:
+            v, ix = raw_logprobs.topk(k_max, dim=-1)
+            top_vals, top_ids = v.tolist(), ix.tolist()
+        tops: list[dict[int, float] | None] = []
+        for i, k in enumerate(want_lp):
+            if k is None:
+                tops.append(None)
+                continue
+            d = {token_list[i]: chosen[i]}
+            if k:
+                for tid, val in zip(top_ids[i][:k], top_vals[i][:k]):
+                    d.setdefault(tid, val)
+            tops.append(d)
+        return SamplerOutput(token_list, chosen, tops)
