@@ -1,0 +1,326 @@
+"""Radix tree over full KV blocks: match, lock, commit (with dedup), split, LRU eviction.
+
+A node holds a run of consecutive full blocks: their ids, their keys and their tokens as
+one canonical byte string (uint32 little-endian). Within a node's children a child is
+keyed by the bytes of its first block, so a lookup compares tokens (dict lookup, then one
+memcmp per node) and computes no hash; a match is exact by construction. Each namespace
+(salt, adapter) has its own root, so different salts never share a node.
+
+Ref counts live in the BlockPool (per block, = tables holding it). Every live sequence's
+committed blocks are a chain of whole nodes from its root (nodes split where a chain ends
+inside one), so a node's blocks are used together and one `last_use` per node orders them.
+An evictable leaf is a childless node whose last block is unreferenced; eviction takes
+blocks from the tail of the least recently used one, so a chain never loses its middle.
+"""
+
+import sys
+from array import array
+from itertools import count
+
+from sortedcontainers import SortedList
+
+from .block_pool import BlockPool
+from .hashing import TOKEN_BYTES, TOKEN_TYPECODE, BlockHasher
+from .stats import BlockRemoved, BlockStored
+
+
+class Node:
+    __slots__ = ("parent", "children", "blocks", "keys", "tokens", "ns", "last_use", "lru_key", "uid")
+
+    def __init__(self, parent, ns, uid: int, last_use: int):
+        self.parent: Node | None = parent
+        self.children: dict[bytes, Node] = {}
+        self.blocks: list[int] = []
+        self.keys: list[bytes] = []
+        self.tokens = b""
+        self.ns = ns
+        self.last_use = last_use
+        self.lru_key = None  # set while the node is an evictable leaf
+        self.uid = uid
+
+
+class LRUPolicy:
+    """Evictable leaves, least recently used first (ties: older node first)."""
+
+    __slots__ = ("_order",)
+
+    def __init__(self):
+        self._order = SortedList()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, node: Node) -> None:
+        node.lru_key = (node.last_use, node.uid, node)
+        self._order.add(node.lru_key)
+
+    def remove(self, node: Node) -> None:
+        self._order.remove(node.lru_key)
+        node.lru_key = None
+
+    def pop(self) -> Node:
+        node = self._order.pop(0)[2]
+        node.lru_key = None
+        return node
+
+    def clear(self) -> None:
+        for _, _, node in self._order:
+            node.lru_key = None
+        self._order.clear()
+
+
+class RadixTree:
+    def __init__(self, pool: BlockPool, block_size: int, hasher: BlockHasher, events: list | None):
+        self.pool, self.hasher, self.events = pool, hasher, events
+        self.block_size = block_size
+        self.block_bytes = block_size * TOKEN_BYTES
+        self.node_of: list[Node | None] = [None] * pool.num_blocks  # cached block -> its node
+        self.num_cached = 0
+        self.num_evictable = 0  # cached blocks with ref 0
+        self.num_evicted = 0
+        self.num_dedup = 0
+        self.lru = LRUPolicy()
+        self.tick = 0  # advanced by the manager once per operation
+        self._uids = count()
+
+    def new_root(self, ns) -> Node:
+        return Node(None, ns, next(self._uids), 0)
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def match(self, root: Node, data: bytes, max_blocks: int) -> tuple[list, int]:
+        """Longest cached prefix of `data` (canonical token bytes) under `root`.
+
+        Walks from the root: at each node the child is found by the bytes of the next
+        block (a dict lookup, no hashing of ours), then the rest of the child's run is
+        compared with one `startswith` (memcmp). Stops at the first block that differs,
+        at the end of the tree, or after `max_blocks` blocks (the caller's cap, which
+        keeps at least one prompt token to compute). Returns ([(node, k)], blocks): the
+        path, where k is how many leading blocks of that node matched (k < len only for
+        the last entry), and the total. Changes nothing.
+        """
+        bb = self.block_bytes
+        path, pos, node = [], 0, root
+        while pos < max_blocks:
+            off = pos * bb
+            child = node.children.get(data[off : off + bb])
+            if child is None:
+                break
+            n = len(child.blocks)
+            k = min(n, max_blocks - pos)
+            if k > 1:
+                run = child.tokens if k == n else memoryview(child.tokens)[: k * bb]
+                if not data.startswith(run, off):
+                    k = self._common_blocks(child.tokens, data, off, k)
+            path.append((child, k))
+            pos += k
+            if k < n:
+                break
+            node = child
+        return path, pos
+
+    def lock(self, path: list) -> tuple[Node, list[int]]:
+        """Pin a matched path for a new sequence: split the last node where the hit ends,
+        take a reference on every block, mark the nodes used. Returns (chain end, blocks)."""
+        nodes = [node for node, _ in path]
+        last, k = path[-1]
+        if k < len(last.blocks):
+            nodes[-1] = self._split(last, k)
+        ref, blocks, tick = self.pool.ref, [], self.tick
+        for node in nodes:
+            if node.lru_key is not None:
+                self.lru.remove(node)
+            node.last_use = tick
+            for b in node.blocks:
+                if ref[b] == 0:
+                    self.num_evictable -= 1
+                ref[b] += 1
+            blocks += node.blocks
+        return nodes[-1], blocks
+
+    def commit(self, node: Node, table: list[int], first: int, data: bytes) -> Node:
+        """Enter table[first:first + len(data) // block_bytes] (full, computed, held by the
+        calling sequence whose chain ends at `node`) into the tree; return the new chain end.
+
+        A block identical to a cached child is deduplicated: the table switches to the cached
+        twin and the sequence's own copy is released at once.
+        """
+        bb, ref, tick, hasher = self.block_bytes, self.pool.ref, self.tick, self.hasher
+        ns = node.ns
+        parent_key = node.keys[-1] if node.blocks else hasher.root_key
+        stored: list = []  # (block index, key, parent key) of this call's new blocks, for events
+        for j in range(first, first + len(data) // bb):
+            tb = data[(j - first) * bb : (j - first + 1) * bb]
+            b = table[j]
+            twin = node.children.get(tb) if node.children else None
+            if twin is not None:
+                node = self._take_twin(twin, table, j)
+                parent_key = node.keys[-1]
+                continue
+            prev = parent_key
+            parent_key = hasher.digest(parent_key + tb + ns.extra) if j == 0 else hasher.digest(parent_key + tb)
+            assert self.node_of[b] is None and ref[b] >= 1, b
+            if node.parent is not None and not node.children and ref[node.blocks[-1]] == 1:
+                node.blocks.append(b)  # the sequence's own leaf: extend it
+                node.keys.append(parent_key)
+                node.tokens += tb
+            else:
+                child = Node(node, ns, next(self._uids), tick)
+                child.blocks.append(b)
+                child.keys.append(parent_key)
+                child.tokens = tb
+                node.children[tb] = child
+                node = child
+            node.last_use = tick
+            self.node_of[b] = node
+            stored.append((j, parent_key, prev))
+        self.num_cached += len(stored)
+        ns.cached_blocks += len(stored)
+        if self.events is not None and stored:
+            self._emit_stored(ns, stored, first, data)
+        return node
+
+    def release_chain(self, node: Node) -> None:
+        """A sequence whose chain ends at `node` dropped its references: mark the chain
+        used now, and queue the end as an evictable leaf if that is what it became."""
+        tick, end = self.tick, node
+        while node.parent is not None:
+            node.last_use = tick
+            node = node.parent
+        self.leaf_check(end)
+
+    def unreferenced(self, block: int) -> None:
+        """A cached block's ref count just fell to 0 outside a chain release."""
+        self.num_evictable += 1
+        node = self.node_of[block]
+        if node.blocks[-1] == block:
+            node.last_use = self.tick
+            self.leaf_check(node)
+
+    def leaf_check(self, node: Node) -> None:
+        if (node.parent is not None and node.lru_key is None and not node.children
+                and node.blocks and self.pool.ref[node.blocks[-1]] == 0):
+            self.lru.add(node)
+
+    def evict(self, n: int) -> None:
+        """Remove n unreferenced blocks from the tree, LRU leaves first; release them."""
+        ref, bb, pool = self.pool.ref, self.block_bytes, self.pool
+        removed_keys = []
+        while n > 0:
+            node = self.lru.pop()
+            blocks = node.blocks
+            cut = len(blocks)
+            while cut and n and ref[blocks[cut - 1]] == 0:
+                cut -= 1
+                n -= 1
+            gone = blocks[cut:]
+            if self.events is not None:
+                removed_keys += reversed(node.keys[cut:])
+            first_bytes = node.tokens[:bb]
+            del blocks[cut:], node.keys[cut:]
+            node.tokens = node.tokens[: cut * bb]
+            self.num_cached -= len(gone)
+            self.num_evictable -= len(gone)
+            self.num_evicted += len(gone)
+            node.ns.cached_blocks -= len(gone)
+            for b in reversed(gone):
+                self.node_of[b] = None
+                pool.release(b)
+            if cut == 0:  # the node is gone; its parent may have become a leaf
+                parent = node.parent
+                del parent.children[first_bytes]
+                node.parent = None
+                self.leaf_check(parent)
+            else:
+                self.leaf_check(node)
+        if removed_keys:
+            self.events.append(_removed(removed_keys))
+
+    def reset(self, roots) -> None:
+        """Drop every cached block (the caller checked that none is referenced)."""
+        keys = []
+        for root in roots:
+            stack = list(root.children.values())
+            root.children.clear()
+            while stack:
+                node = stack.pop()
+                stack += node.children.values()
+                keys += node.keys
+                for b in node.blocks:
+                    self.node_of[b] = None
+                    self.pool.release(b)
+            root.ns.cached_blocks = 0
+        self.lru.clear()
+        self.num_cached = self.num_evictable = 0
+        if self.events is not None and keys:
+            self.events.append(_removed(keys))
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _common_blocks(self, tokens: bytes, data: bytes, off: int, k: int) -> int:
+        """Number of leading blocks (>= 1, < k) of `tokens` equal to data[off:]; the first
+        block is known equal and the first k are known not all equal."""
+        bb = self.block_bytes
+        lo, hi = 1, k - 1  # answer in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if data[off : off + mid * bb] == tokens[: mid * bb]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _split(self, node: Node, k: int) -> Node:
+        """Cut `node` after its first k blocks; the new upper node takes its place."""
+        bb = self.block_bytes
+        top = Node(node.parent, node.ns, next(self._uids), node.last_use)
+        top.blocks, node.blocks = node.blocks[:k], node.blocks[k:]
+        top.keys, node.keys = node.keys[:k], node.keys[k:]
+        top.tokens, node.tokens = node.tokens[: k * bb], node.tokens[k * bb :]
+        node.parent.children[top.tokens[:bb]] = top
+        top.children[node.tokens[:bb]] = node
+        node.parent = top
+        for b in top.blocks:
+            self.node_of[b] = top
+        return top
+
+    def _take_twin(self, twin: Node, table: list[int], j: int) -> Node:
+        own, t = table[j], twin.blocks[0]
+        if len(twin.blocks) > 1:
+            twin = self._split(twin, 1)
+        elif twin.lru_key is not None:
+            self.lru.remove(twin)
+        ref = self.pool.ref
+        if ref[t] == 0:
+            self.num_evictable -= 1
+        ref[t] += 1
+        twin.last_use = self.tick
+        table[j] = t
+        ref[own] -= 1
+        if ref[own] == 0:
+            self.pool.release(own)
+        self.num_dedup += 1
+        return twin
+
+    def _emit_stored(self, ns, stored, first, data) -> None:
+        bb = self.block_bytes
+        run_start = 0
+        for i in range(1, len(stored) + 1):
+            if i == len(stored) or stored[i][0] != stored[i - 1][0] + 1:
+                j0 = stored[run_start][0]
+                run = data[(j0 - first) * bb : (stored[i - 1][0] + 1 - first) * bb]
+                parent = None if j0 == 0 else stored[run_start][2]
+                self.events.append(_stored(ns, [k for _, k, _ in stored[run_start:i]], parent, run, self.block_size))
+                run_start = i
+
+
+def _stored(ns, keys, parent, data: bytes, block_size: int) -> BlockStored:
+    toks = array(TOKEN_TYPECODE)
+    toks.frombytes(data)
+    if sys.byteorder == "big":
+        toks.byteswap()
+    return BlockStored(tuple(keys), parent, tuple(toks), block_size, ns.salt, ns.adapter_id)
+
+
+def _removed(keys) -> BlockRemoved:
+    return BlockRemoved(tuple(keys))
