@@ -1,0 +1,186 @@
+"""Shared-prefix (cascade) decode attention: a KV block shared by many sequences is read
+once per step for all of them, not once per sequence.
+
+API
+---
+    from kernels.shared_prefix import derive_groups, shared_prefix_decode, shared_prefix_decode_ref
+
+    groups = derive_groups(block_tables, seq_lens, block_size=16, min_shared_blocks=8,
+                           max_levels=4, device="cuda")        # host side, each step (see below)
+    out = shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *,
+                               scale, out=None, max_private_len=None, config=None)
+
+- q [B, H, d]: one decode query per sequence; k_cache / v_cache [num_blocks, block_size,
+  kv_heads, d]; block_tables [B, max_blocks] int32 (each row the sequence's whole table);
+  seq_lens [B] int32, context including the new token (as in kernels.paged_attention).
+- groups (PrefixGroups, kernels/shared_prefix_groups.py): the sharing tree as tensors.
+  A group is a segment of shared blocks (block_tables [G, max_shared_blocks], shared_lens
+  [G] tokens) and its member rows (members [M], CSR by cu_members [G + 1]). Row b holds
+  one member slot per level (seq_slots [B, levels], -1 = none; levels nest: system prompt
+  -> few-shot -> conversation); its segments cover tokens [0, private_start[b]) and its own
+  table covers the private rest [private_start[b], seq_lens[b]). PrefixGroups.empty(B) =
+  no sharing (plain paged decode). Host ints max_members / max_shared_len size the grid.
+- Result: softmax(q K^T * scale) V over each row's whole context, exactly as plain paged
+  attention over the row's own table would give when the segments hold the same KV.
+
+How: launch 1, one program per (group x tile of members, kv head, KV split) loads each
+shared K/V tile once and runs it against members x q-per-kv query rows with tl.dot,
+writing a partial output and log-sum-exp per row; launch 2, one program per (row, kv
+head) attends to the private part and merges in the row's shared partials by
+log-sum-exp (a third, tiny launch merges when the private part is split too).
+No host sync: CUDA-graph capturable for fixed shapes and host ints.
+
+derive_groups works on the CPU tables (a tensor is fastest; lists of ids work) in well
+under a millisecond for 256 rows; groups stay valid while the batch's rows are the same.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from kernels.runtime import ensure_runnable, next_pow2
+from kernels.shared_prefix_derive import derive_groups
+from kernels.shared_prefix_groups import PrefixGroups, check_decode
+from kernels.shared_prefix_triton import _combine_kernel, _private_kernel, _shared_kernel
+
+__all__ = ["PrefixGroups", "SharedPrefixConfig", "derive_groups", "shared_prefix_decode",
+           "shared_prefix_decode_ref"]
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class SharedPrefixConfig:
+    block_m: int = 64            # shared tile rows: members x q-per-kv, padded (power of 2, >= 16)
+    block_n: int = 64            # KV tokens per loop step (power of 2, >= 16)
+    shared_split_len: int = 512  # shared KV tokens per program (rounded up to block_n)
+    private_split_len: int = 0   # private KV tokens per program; 0: one program per row
+    num_warps: int = 4
+    num_stages: int = 2
+    private_block_n: int = 64
+
+    def validate(self):
+        for name in ("block_m", "block_n", "private_block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"config.{name}: must be a power of two >= 16, got {v}")
+        if self.shared_split_len < 1 or self.private_split_len < 0:
+            raise ValueError("config: shared_split_len must be >= 1, private_split_len >= 0")
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *, scale, out=None,
+                         max_private_len=None, config=None):
+    """See the module docstring. max_private_len: host bound on seq_lens - private_start
+    (picks the private split; default: the table's capacity)."""
+    check_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, scale, out)
+    cfg = config or SharedPrefixConfig()
+    cfg.validate()
+    if q.dtype == torch.float64:
+        raise ValueError("q: float64 is reference-only; use shared_prefix_decode_ref")
+    ensure_runnable("shared_prefix_decode", _shared_kernel, q.device)
+    out = torch.empty_like(q) if out is None else out
+    batch, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if batch == 0:
+        return out
+    qpk = num_heads // kv_heads
+    block_d = max(16, next_pow2(head_dim))
+    # The interpreter computes bf16 wrongly: it gets fp32 operands. On the GPU the dots take
+    # the cache's own dtype (tensor cores) and accumulate in fp32.
+    dot = tl.float32 if q.device.type == "cpu" or q.dtype == torch.float32 else \
+        (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
+    qk_scale = float(scale) * LOG2E
+    dev = q.device
+    n_members, levels = groups.members.shape[0], groups.num_levels
+    # Shared partials: [split, member slot, head, d] fp32 and their lse.
+    s_splits = 1
+    if groups.num_groups and n_members and groups.max_shared_len:
+        s_len = _cdiv(max(cfg.shared_split_len, 1), cfg.block_n) * cfg.block_n
+        s_splits = max(1, min(MAX_SPLITS, _cdiv(groups.max_shared_len, s_len)))
+        s_len = _cdiv(_cdiv(groups.max_shared_len, s_splits), cfg.block_n) * cfg.block_n
+    po = torch.empty((s_splits, max(n_members, 1), num_heads, head_dim), dtype=torch.float32,
+                     device=dev)
+    plse = torch.empty((s_splits, max(n_members, 1), num_heads), dtype=torch.float32, device=dev)
+    if groups.num_groups and n_members and groups.max_shared_len:
+        block_m = max(cfg.block_m, next_pow2(qpk))
+        tile_members = block_m // qpk
+        tiles = _cdiv(groups.max_members, tile_members)
+        _shared_kernel[(groups.num_groups * tiles, kv_heads, s_splits)](
+            q, k_cache, v_cache, groups.block_tables, groups.shared_lens, groups.cu_members,
+            groups.members, po, plse,
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            groups.block_tables.stride(0), *po.stride()[:3], *plse.stride()[:2],
+            qk_scale, s_len,
+            TILES=tiles, QPK=qpk, TILE_MEMBERS=tile_members, BLOCK_M=block_m,
+            BLOCK_N=cfg.block_n, BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            DOT=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # Private part: split when long and the caller allows it.
+    bound = max_private_len if max_private_len is not None else block_tables.shape[1] * block_size
+    p_len = max(1, bound)
+    if cfg.private_split_len:
+        p_len = _cdiv(cfg.private_split_len, cfg.private_block_n) * cfg.private_block_n
+    p_splits = max(1, min(MAX_SPLITS, _cdiv(bound, p_len)))
+    if p_splits > 1:
+        p_len = _cdiv(_cdiv(bound, p_splits), cfg.private_block_n) * cfg.private_block_n
+    fuse = p_splits == 1
+    shape = (p_splits if not fuse else 1, batch if not fuse else 1, num_heads)
+    xo = torch.empty(shape + (head_dim,), dtype=torch.float32, device=dev)
+    xlse = torch.empty(shape, dtype=torch.float32, device=dev)
+    slots = groups.seq_slots if levels else torch.full((batch, 1), -1, dtype=torch.int32, device=dev)
+    block_h = max(16, next_pow2(qpk))
+    common = (*po.stride()[:3], *plse.stride()[:2])
+    _private_kernel[(batch, kv_heads, p_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, groups.private_start, slots,
+        po, plse, out, xo, xlse,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), slots.stride(0), *common, out.stride(0), out.stride(1),
+        *xo.stride()[:3], *xlse.stride()[:2],
+        qk_scale, p_len,
+        QPK=qpk, BLOCK_H=block_h, BLOCK_N=cfg.private_block_n, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT=dot, LEVELS=levels,
+        SHARED_SPLITS=s_splits, FUSE=fuse, num_warps=4, num_stages=cfg.num_stages)
+    if not fuse:
+        _combine_kernel[(batch, kv_heads)](
+            slots, po, plse, xo, xlse, out,
+            slots.stride(0), *common, *xo.stride()[:3], *xlse.stride()[:2],
+            out.stride(0), out.stride(1),
+            QPK=qpk, BLOCK_H=block_h, BLOCK_D=block_d, HEAD_DIM=head_dim, LEVELS=levels,
+            SHARED_SPLITS=s_splits, PRIVATE_SPLITS=p_splits, num_warps=4)
+    return out
+
+
+def shared_prefix_decode_ref(q, k_cache, v_cache, groups, block_tables, seq_lens, *, scale,
+                             out=None, max_private_len=None, config=None):
+    """Pure torch, same signature: each row's context is its groups' segments (in level
+    order) followed by its private tokens; plain softmax attention over that context."""
+    check_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, scale, out)
+    out = torch.empty_like(q) if out is None else out
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    cpu = groups.to("cpu")
+    cu, lens = cpu.cu_members.tolist(), cpu.shared_lens.tolist()
+    group_of = {slot: g for g in range(len(lens)) for slot in range(cu[g], cu[g + 1])}
+
+    def gather(table, lo, hi):
+        blocks = table[lo // block_size: _cdiv(hi, block_size)].long()
+        skip = lo - lo // block_size * block_size
+        return (k_cache[blocks].flatten(0, 1)[skip: skip + hi - lo],
+                v_cache[blocks].flatten(0, 1)[skip: skip + hi - lo])
+
+    for b, ctx in enumerate(seq_lens.tolist()):
+        parts = [gather(cpu.block_tables[group_of[s]], 0, lens[group_of[s]])
+                 for s in cpu.seq_slots[b].tolist() if s >= 0]
+        parts.append(gather(block_tables[b], int(cpu.private_start[b]), ctx))
+        k = torch.cat([p[0] for p in parts])
+        v = torch.cat([p[1] for p in parts])
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qb = q[b].to(acc).view(kv_heads, -1, q.shape[-1])            # [kvh, qpk, d]
+        p = torch.softmax(torch.einsum("kgd,lkd->kgl", qb, k.to(acc)) * scale, dim=-1)
+        out[b] = torch.einsum("kgl,lkd->kgd", p, v.to(acc)).reshape(q.shape[1:]).to(out.dtype)
+    return out
