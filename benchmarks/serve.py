@@ -160,7 +160,8 @@ def build_requests(args):
 
     n = args.num_requests
     make = {
-        "shared_chats_short": lambda: wl.shared_chats(n, s(2400), s(200), s(60), args.vocab, args.seed),
+        "shared_chats_short": lambda: wl.shared_chats(n, s(2400), s(200), s(60), args.vocab, args.seed,
+                                                       name="shared_chats_short"),
         "shared_chats": lambda: wl.shared_chats(n, s(2400), s(200), s(900), args.vocab, args.seed),
         "generated_shared_prefix": lambda: wl.generated_shared_prefix(max(1, n // 16), 16, s(2048), s(128), s(256),
                                                                       args.vocab, args.seed),

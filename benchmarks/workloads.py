@@ -66,7 +66,8 @@ def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int
     return int(min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))))
 
 
-def shared_chats(num_chats=256, system_len=2400, question_len=200, answer_len=900, vocab=2048, seed=0) -> Workload:
+def shared_chats(num_chats=256, system_len=2400, question_len=200, answer_len=900, vocab=2048, seed=0,
+                 name="shared_chats") -> Workload:
     rng = random.Random(seed)
     system = _tokens(rng, system_len, vocab)
     reqs = [
@@ -74,7 +75,6 @@ def shared_chats(num_chats=256, system_len=2400, question_len=200, answer_len=90
                 _tokens(rng, _around(rng, answer_len, 0.2), vocab))
         for _ in range(num_chats)
     ]
-    name = "shared_chats" if answer_len >= 200 else "shared_chats_short"
     return Workload(name, reqs, dict(num_chats=num_chats, system_len=system_len, question_len=question_len,
                                      answer_len=answer_len, seed=seed))
 
@@ -147,8 +147,8 @@ def all_workloads(scale: float = 1.0, vocab: int = 2048, seed: int = 0) -> list[
 
     w = [
         shared_chats(s(256), s(2400), s(200), s(900), vocab, seed),
-        shared_chats(s(256), s(2400), s(200), s(60), vocab, seed),
-        generated_shared_prefix(s(64), s(16), s(2048), s(128), s(256), vocab, seed),
+        shared_chats(s(256), s(2400), s(200), s(60), vocab, seed, name="shared_chats_short"),
+        generated_shared_prefix(s(64), 16, s(2048), s(128), s(256), vocab, seed),
     ]
     w += [parallel_sampling(n, s(128), vocab=vocab, seed=seed) for n in (2, 4, 6)]
     w += [beam_search(k, s(128), vocab=vocab, seed=seed) for k in (2, 4, 6)]
