@@ -45,19 +45,24 @@ def num_sms(device: torch.device) -> int:
 
 
 def default_config(device, *, num_seqs, kv_heads, group, head_dim, max_seqlen_q, max_context,
-                   is_decode):
+                   is_decode, dtype=torch.bfloat16):
     """is_decode: every query chunk is at most one token (max_seqlen_q == 1)."""
     block_d = max(16, next_pow2(head_dim))
+    # fp32 (tests, exact IEEE dots) needs small tiles on the GPU or its registers spill.
+    fp32 = dtype == torch.float32
     if is_decode:
         block_m = max(16, next_pow2(group))
-        block_n = 64 if block_d > 128 else 128 if device.type == "cuda" else 32
+        block_n = 64 if device.type == "cuda" and not fp32 else 32
         programs = max(1, num_seqs * kv_heads)
         want = -(-4 * num_sms(device) // programs)  # aim for ~4 programs per SM
         by_len = max(1, max_context // MIN_SPLIT_TOKENS)
         splits = min(MAX_SPLITS, want, by_len)
         splits = 1 if splits <= 1 else 1 << (splits.bit_length() - 1)  # round down to 2^k
-        return AttentionConfig(block_m, block_n, num_warps=4, num_stages=3, num_splits=splits)
+        return AttentionConfig(block_m, block_n, num_warps=4, num_stages=2 if fp32 else 3,
+                               num_splits=splits)
     if device.type != "cuda":
         return AttentionConfig(max(16, next_pow2(group)), 16, num_warps=4, num_stages=1)
+    if fp32:
+        return AttentionConfig(max(32, next_pow2(group)), 32, num_warps=4, num_stages=2)
     block_m = max(128 if block_d <= 128 else 64, next_pow2(group))
     return AttentionConfig(block_m, 64, num_warps=8, num_stages=3)

@@ -25,8 +25,8 @@ LOG2E = 1.4426950408889634
 def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     # Sequence i owns q-block programs [cu[i] // BLOCK_Q + i, ...): an upper bound of its
     # ceil(n_i / BLOCK_Q) blocks that needs no host sync. Find the last i starting <= pid.
-    lo = 0
-    hi = num_seqs
+    lo = pid * 0  # tensors from the start: loop-carried values keep one type
+    hi = lo + num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         start = tl.load(cu_ptr + mid) // BLOCK_Q + mid
@@ -98,7 +98,8 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    # Heaviest q-blocks (latest in a chunk: the longest causal range) start first.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if IS_DECODE:  # at most one query per sequence: program i is sequence i
@@ -192,7 +193,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
     if config is None:
         config = default_config(q.device, num_seqs=num_seqs, kv_heads=kv_heads, group=group,
                                 head_dim=head_dim, max_seqlen_q=max_seqlen_q,
-                                max_context=block_tables.shape[1] * block_size, is_decode=is_decode)
+                                max_context=block_tables.shape[1] * block_size, is_decode=is_decode,
+                                dtype=q.dtype)
     config.validate(group)
     block_q = 1 if is_decode else config.block_m // group
     grid_m = num_seqs if is_decode else num_tokens // block_q + num_seqs

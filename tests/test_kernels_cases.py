@@ -49,11 +49,12 @@ def make_case(n_q, ctx, *, block_size, kv_heads, group, head_dim, dtype, device=
         tables[i, :nb] = perm[used:used + nb]
         used += nb
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=g).to(dtype)
-    v_cache = torch.randn(shape, generator=g).to(dtype)
+    gd = torch.Generator(device=device).manual_seed(seed)  # big tensors drawn where they live
+    k_cache = torch.randn(shape, generator=gd, device=device).to(dtype)
+    v_cache = torch.randn(shape, generator=gd, device=device).to(dtype)
     cu = torch.tensor([0] + list(torch.tensor(n_q).cumsum(0).tolist()), dtype=torch.int32)
-    q = torch.randn((int(cu[-1]), kv_heads * group, head_dim), generator=g).to(dtype)
-    return Case(seed, q.to(device), k_cache.to(device), v_cache.to(device), tables.to(device),
+    q = torch.randn((int(cu[-1]), kv_heads * group, head_dim), generator=gd, device=device).to(dtype)
+    return Case(seed, q, k_cache, v_cache, tables.to(device),
                 cu.to(device), torch.tensor(ctx, dtype=torch.int32, device=device),
                 max(max(n_q), 1), head_dim ** -0.5)
 

@@ -1,0 +1,222 @@
+"""Paged-attention kernel benchmark (GPU): ours on shuffled paged K/V against torch SDPA on
+the same K/V laid out contiguously, plus the copy bandwidth and bf16 matmul rate of the
+same run as ceilings.
+
+    python3 benchmarks/kernels.py [--sweep] [--out-dir benchmarks/results]
+
+One layer, 32 query / 8 kv heads, head dim 128, bf16, block size 16. Decode at batch
+{1, 32, 256} x context {512, 4k, 32k}; prefill of a 2,048-token chunk over a 0 / 8k prefix.
+Times are medians of triton.testing.do_bench (CUDA events, L2 flushed between runs).
+--sweep also times a few alternative tile configs per shape (for tuning the defaults).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+# Run as a script, this file's folder heads sys.path and its name would shadow the kernels
+# package: put the repository root there instead.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from kernels import paged_attention  # noqa: E402
+from kernels.attention_config import AttentionConfig, default_config  # noqa: E402
+from kernels.paged_attention import attention_flops  # noqa: E402
+
+H, KVH, D, BS = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+DEV = "cuda"  # set in main(); "cpu" only for --smoke runs through the interpreter
+DECODE_SHAPES = [(b, c) for b in (1, 32, 256) for c in (512, 4096, 32768)]
+PREFILL_SHAPES = [(2048, 0), (2048, 8192)]
+DECODE_SWEEP = [AttentionConfig(16, 32, 4, 4), AttentionConfig(16, 64, 4, 2),
+                AttentionConfig(16, 128, 4, 2), AttentionConfig(16, 128, 8, 3),
+                AttentionConfig(16, 64, 2, 3)]
+PREFILL_SWEEP = [AttentionConfig(128, 128, 8, 3), AttentionConfig(64, 64, 4, 3),
+                 AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 64, 4, 3),
+                 AttentionConfig(64, 128, 4, 3), AttentionConfig(128, 32, 4, 4)]
+
+
+def timeit(fn) -> float:
+    """Median milliseconds (CPU smoke runs: median of 3 wall-clock runs)."""
+    if DEV == "cuda":
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    runs = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - t) * 1e3)
+    return sorted(runs)[1]
+
+
+def ceilings(smoke) -> dict:
+    x = torch.randn(1 << (20 if smoke else 30), device=DEV, dtype=DTYPE)  # 2 GiB: far beyond L2
+    y = torch.empty_like(x)
+    ms = timeit(lambda: y.copy_(x))
+    copy_gbs = 2 * x.numel() * x.element_size() / ms / 1e6
+    del x, y
+    n = 256 if smoke else 8192
+    a = torch.randn(n, n, device=DEV, dtype=DTYPE)
+    b = torch.randn(n, n, device=DEV, dtype=DTYPE)
+    mm_tflops = 2 * n ** 3 / timeit(lambda: a @ b) / 1e9
+    return {"copy_GBps": copy_gbs, "matmul_bf16_TFLOPs": mm_tflops}
+
+
+def paged_problem(batch, ctx, n_q, gen):
+    """Shuffled paged K/V plus the same K/V contiguous [batch, KVH, ctx, D] for SDPA."""
+    nb = ctx // BS
+    tables = torch.randperm(batch * nb, device=DEV, generator=gen).to(torch.int32).view(batch, nb)
+    caches, contig = [], []
+    for _ in range(2):
+        c = torch.randn(batch * nb, BS, KVH, D, device=DEV, dtype=DTYPE, generator=gen)
+        caches.append(c)
+        contig.append(c[tables.long()].view(batch, ctx, KVH, D).transpose(1, 2).contiguous())
+    q = torch.randn(batch * n_q, H, D, device=DEV, dtype=DTYPE, generator=gen)
+    cu = torch.arange(0, batch * n_q + 1, n_q, device=DEV, dtype=torch.int32)
+    lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
+    return q, caches, contig, tables, cu, lens
+
+
+def sdpa_peer(q, kc, vc, n_q, ctx, batch, scale):
+    """SDPA on contiguous K/V, causal aligned to the end of the context. Returns (name, fn,
+    output); falls back to repeating kv heads if GQA and the lower-right mask do not mix."""
+    q4 = q.view(batch, n_q, H, D).transpose(1, 2).contiguous()
+    if n_q == 1 or n_q == ctx:
+        kw = {"is_causal": n_q > 1}
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+        kw = {"attn_mask": causal_lower_right(n_q, ctx)}
+    try:
+        fn = lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True, **kw)
+        return "sdpa(enable_gqa)", fn, fn()
+    except Exception as e:  # noqa: BLE001 - record and fall back
+        print(f"SDPA with enable_gqa failed ({e!r:.120}); repeating kv heads", flush=True)
+    kr, vr = kc.repeat_interleave(H // KVH, 1), vc.repeat_interleave(H // KVH, 1)
+    fn = lambda: F.scaled_dot_product_attention(q4, kr, vr, scale=scale, **kw)
+    return "sdpa(repeated kv heads)", fn, fn()
+
+
+def run_shape(kind, batch, ctx, n_q, sweep, gen, ceil):
+    q, (kc, vc), (kcont, vcont), tables, cu, lens = paged_problem(batch, ctx, n_q, gen)
+    scale = D ** -0.5
+    out = torch.empty_like(q)
+    cfg = default_config(q.device, num_seqs=batch, kv_heads=KVH, group=H // KVH, head_dim=D,
+                         max_seqlen_q=n_q, max_context=tables.shape[1] * BS, is_decode=n_q == 1)
+
+    def ours(c):
+        return lambda: paged_attention(q, kc, vc, tables, cu, lens, scale=scale, max_seqlen_q=n_q,
+                                       out=out, config=c)
+
+    t0 = time.perf_counter()
+    ours(cfg)()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    first_call_s = time.perf_counter() - t0
+    peer_name, peer, ref = sdpa_peer(q, kcont, vcont, n_q, ctx, batch, scale)
+    err = ((out.view(batch, n_q, H, D).transpose(1, 2).float() - ref.float()).norm()
+           / ref.float().norm()).item()
+    t_ours, t_sdpa = timeit(ours(cfg)), timeit(peer)
+    kv_bytes = 2 * batch * ctx * KVH * D * q.element_size()
+    flops = batch * attention_flops(n_q, ctx, H, D)
+    row = {"kind": kind, "batch": batch, "context": ctx, "n_q": n_q, "config": cfg.__dict__,
+           "us": t_ours * 1e3, "sdpa_us": t_sdpa * 1e3, "ratio_vs_sdpa": t_ours / t_sdpa,
+           "kv_GBps": kv_bytes / t_ours / 1e6, "frac_copy_bw": kv_bytes / t_ours / 1e6 / ceil["copy_GBps"],
+           "sdpa_frac_copy_bw": kv_bytes / t_sdpa / 1e6 / ceil["copy_GBps"],
+           "TFLOPs": flops / t_ours / 1e9, "sdpa_TFLOPs": flops / t_sdpa / 1e9,
+           "rel_err_vs_sdpa": err, "first_call_s": first_call_s, "peer": peer_name}
+    if sweep:
+        variants = []
+        base = DECODE_SWEEP if n_q == 1 else PREFILL_SWEEP
+        alts = [AttentionConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, cfg.num_splits) for c in base]
+        if cfg.num_splits > 1:
+            alts += [AttentionConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, s)
+                     for s in (cfg.num_splits // 2, min(64, cfg.num_splits * 2))]
+        for alt in alts:
+            try:
+                variants.append({"config": alt.__dict__, "us": timeit(ours(alt)) * 1e3})
+            except Exception as e:  # e.g. a tile that exceeds shared memory
+                variants.append({"config": alt.__dict__, "error": repr(e)[:200]})
+        row["sweep"] = variants
+    del q, kc, vc, kcont, vcont, tables, out, ref, peer
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def to_markdown(res) -> str:
+    c = res["ceilings"]
+    lines = [f"# Paged-attention kernel benchmark ({res['date']})", "",
+             f"`{res['command']}` on {res['device']}; torch {res['torch']}, triton {res['triton']}.",
+             f"One layer, {H} query / {KVH} kv heads, head dim {D}, bf16, block size {BS}, "
+             "shuffled block tables. Peer: torch SDPA (enable_gqa) on the same K/V contiguous.",
+             f"Ceilings measured in the same run: copy {c['copy_GBps']:.0f} GB/s, "
+             f"bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s.", "",
+             "| kind | batch | context | q tokens | ours (us) | SDPA (us) | ours/SDPA | KV GB/s | "
+             "frac. of copy BW | SDPA frac. | TFLOP/s | splits | rel. err vs SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['kind']} | {r['batch']} | {r['context']} | {r['n_q']} | {r['us']:.1f} | "
+                     f"{r['sdpa_us']:.1f} | {r['ratio_vs_sdpa']:.2f} | {r['kv_GBps']:.0f} | "
+                     f"{r['frac_copy_bw']:.2f} | {r['sdpa_frac_copy_bw']:.2f} | {r['TFLOPs']:.0f} | "
+                     f"{r['config']['num_splits']} | {r['rel_err_vs_sdpa']:.1e} |")
+    sweeps = [r for r in res["rows"] if r.get("sweep")]
+    if sweeps:
+        lines += ["", "Tile-config sweep (default vs fastest alternative):", "",
+                  "| kind | batch | context | default (us) | best alt. (us) | best alt. config |",
+                  "|---|---|---|---|---|---|"]
+        for r in sweeps:
+            ok = [v for v in r["sweep"] if "us" in v]
+            best = min(ok, key=lambda v: v["us"]) if ok else {"us": float("nan"), "config": "-"}
+            lines.append(f"| {r['kind']} | {r['batch']} | {r['context']} | {r['us']:.1f} | "
+                         f"{best['us']:.1f} | {best['config']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--only", choices=["decode", "prefill"], default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes; on the CPU through Triton's interpreter (checks the script)")
+    args = ap.parse_args(argv)
+    global DEV
+    DEV = "cuda" if torch.cuda.is_available() else "cpu"
+    if DEV == "cpu" and not args.smoke:
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": "python3 benchmarks/kernels.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)", "torch": torch.__version__,
+           "triton": triton.__version__, "python": platform.python_version(),
+           "ceilings": ceilings(args.smoke), "rows": []}
+    print(f"ceilings: {res['ceilings']}", flush=True)
+    decode_shapes, prefill_shapes = ([(2, 64)], [(32, 32)]) if args.smoke else (DECODE_SHAPES, PREFILL_SHAPES)
+    shapes = []
+    if args.only in (None, "decode"):
+        shapes += [("decode", b, c, 1) for b, c in decode_shapes]
+    if args.only in (None, "prefill"):
+        shapes += [("prefill", 1, prefix + n, n) for n, prefix in prefill_shapes]
+    for kind, batch, ctx, n_q in shapes:
+        row = run_shape(kind, batch, ctx, n_q, args.sweep, gen, res["ceilings"])
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "kernels.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    md = to_markdown(res)
+    with open(os.path.join(args.out_dir, "kernels.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
