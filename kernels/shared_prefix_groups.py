@@ -124,9 +124,9 @@ def check_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, scale, out
     batch = q.shape[0]
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(_I32,), device=dev)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(_I32,), device=dev)
-    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
-        _fail("block_tables", f"{block_tables.shape[0]} rows / seq_lens {seq_lens.shape[0]} "
-                              f"for a batch of {batch} queries")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.shape[0] != batch:
+            _fail(name, f"{t.shape[0]} rows for a batch of {batch} queries")
     if block_tables.stride(1) != 1:
         _fail("block_tables", "rows must be contiguous")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
