@@ -1,0 +1,177 @@
+"""Engine: requests in, incremental token outputs out, one step at a time.
+
+Each step: schedule (running first, then admissions; preemption when the pool is full), run
+the COW copies and the forward, commit what was computed to the radix cache, fork the extra
+samples of requests whose prompt just finished, sample, and check stop conditions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict
+
+import torch
+
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.model_runner import ModelRunner
+from radixkv.engine.outputs import CompletionOutput, RequestOutput
+from radixkv.engine.sampler import Sampler
+from radixkv.engine.sampling_params import SamplingParams
+from radixkv.engine.scheduler import Scheduler
+from radixkv.engine.sequence import Request, Sequence
+from radixkv.engine.validate import validate_request
+from radixkv.models.config import load_model_config
+
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "SamplingParams"]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        from radixkv.cache import KVCacheManager
+
+        self.config = config
+        self.model_config = load_model_config(config.model_dir)
+        self.device = config.resolved_device()
+        self.runner = ModelRunner(config, self.model_config, self.device)
+        self.block_size, self.num_blocks = config.block_size, self.runner.num_blocks
+        # a sequence can never outgrow the pool: cap the context there too
+        self.max_model_len = min(self.runner.max_positions, self.num_blocks * self.block_size)
+        self.cache = KVCacheManager(self.num_blocks, self.block_size, hash_algo=config.hash_algo,
+                                    hash_seed=config.hash_seed, enable_prefix_caching=config.enable_prefix_caching,
+                                    enable_events=config.enable_cache_events)
+        self.scheduler = Scheduler(self.cache, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_prefill_chunk=config.max_prefill_chunk, policy=config.scheduling_policy)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.sampler = Sampler(self.device, self.model_config.eos_token_ids, config.seed)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._news: dict[str, Request] = {}  # requests with outputs to report (aborts, between steps)
+        self._idle_checked = True
+        self.counters = dict(prompt_tokens=0, cached_prompt_tokens=0, generation_tokens=0, computed_tokens=0,
+                             steps=0, requests_finished=0)
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> None:
+        params = SamplingParams() if params is None else params
+        validate_request(self, request_id, prompt_token_ids, params, cache_salt)
+        req = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), cache_salt)
+        seq = Sequence(next(self._seq_ids), req, 0, list(prompt_token_ids), pending_forks=params.num_samples - 1)
+        req.seqs.append(seq)
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        self.counters["prompt_tokens"] += len(prompt_token_ids)
+        self._idle_checked = False
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        req.aborted = True
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        self._news[request_id] = req
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._news)
+
+    # ---- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.scheduled:
+            self._run(sched.scheduled)
+        outputs = [o for o in (self._output(r) for r in self._news.values()) if o is not None]
+        self._news.clear()
+        if not self.scheduler.has_unfinished() and not self._idle_checked:
+            self._idle_checked = True
+            if self.config.check_invariants:
+                self.cache.check_invariants()
+        return outputs
+
+    def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        tables = [self.cache.block_table(s.seq_id) for s, _ in scheduled]
+        batch, logits = self.runner.execute(scheduled, tables, self.cache.take_copy_ops())
+        self.counters["steps"] += 1
+        for seq, n in scheduled:
+            self.cache.mark_computed(seq.seq_id, n)
+            seq.num_computed_tokens += n
+            self.counters["computed_tokens"] += n
+        if logits is None:
+            return
+        rows, seqs = [], []
+        for j, seq in enumerate(batch.sample_seqs):
+            rows.append(j)
+            seqs.append(seq)
+            while seq.pending_forks:  # n > 1: the other samples start from this prompt's logits
+                req = seq.request
+                child = Sequence(next(self._seq_ids), req, len(req.seqs), list(seq.token_ids))
+                req.seqs.append(child)
+                self.scheduler.fork(seq, child)
+                rows.append(j)
+                seqs.append(child)
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        out = self.sampler(logits, seqs)
+        for i, seq in enumerate(seqs):
+            self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+
+    def _append(self, seq: Sequence, token: int, logprob: float, top: dict | None) -> None:
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if top is not None:
+            seq.logprobs.append(top)
+        self.counters["generation_tokens"] += 1
+        self._news[seq.request.request_id] = seq.request
+        p = seq.params
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            self.cache.append_tokens(seq.seq_id, [token])
+        else:
+            self.scheduler.finish(seq, reason)
+
+    # ---- outputs ----------------------------------------------------------------------
+    def _output(self, req: Request) -> RequestOutput | None:
+        finished = req.finished
+        if finished:
+            self.requests.pop(req.request_id, None)
+            self.counters["requests_finished"] += 1
+            self.counters["cached_prompt_tokens"] += req.num_cached_tokens or 0
+        p = req.params
+        seqs = sorted(req.seqs, key=lambda s: s.index)
+        if p.num_samples > p.n:  # best_of: only the n best, and only at the end
+            if not finished:
+                return None
+            if not req.aborted:
+                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)
+            seqs = seqs[: p.n]
+            for s in seqs:
+                s.num_emitted = 0
+        completions = []
+        for rank, s in enumerate(seqs):
+            new = s.output_token_ids[s.num_emitted :]
+            lps = s.logprobs[s.num_emitted :] if p.logprobs is not None else None
+            s.num_emitted = s.num_output_tokens
+            index = rank if p.num_samples > p.n else s.index
+            completions.append(CompletionOutput(index, new, s.output_token_ids, lps, s.finish_reason,
+                                                s.cumulative_logprob))
+        return RequestOutput(req.request_id, completions, req.prompt_token_ids, req.num_cached_tokens or 0, finished)
+
+    # ---- introspection ----------------------------------------------------------------
+    def metrics(self) -> dict:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "cache": asdict(self.cache.stats()),
+        }

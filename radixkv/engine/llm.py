@@ -1,0 +1,95 @@
+"""LLM: the offline API. Prompts (text or token ids) in, finished outputs with text out.
+
+    llm = LLM("path/to/model", num_blocks=512)
+    outs = llm.generate(["Hello", "The sky"], SamplingParams(temperature=0, max_tokens=32))
+    outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].num_cached_tokens
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.engine import Engine
+from radixkv.engine.outputs import CompletionOutput, RequestOutput
+from radixkv.engine.sampling_params import SamplingParams
+
+
+def _load_tokenizer(model_dir: str):
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+class LLM:
+    def __init__(self, model_dir: str, **engine_args):
+        self.engine = Engine(EngineConfig(model_dir=model_dir, **engine_args))
+        self.tokenizer = _load_tokenizer(model_dir)
+        self._ids = itertools.count()
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompts: text prompts need tokenizer files in the model folder")
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        return None, list(prompt)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list; text, a list of token ids, or a list of either.
+        Bad input raises ValueError naming the prompt and adds nothing."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty str, list of token ids, or list of those")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        texts, rids = {}, []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                try:
+                    text, ids = self._prompt_ids(prompt)
+                    rid = f"llm-{next(self._ids)}"
+                    self.engine.add_request(rid, ids, p, cache_salt=cache_salt)
+                except ValueError as e:
+                    raise ValueError(f"prompts[{i}]: {e}") from None
+                rids.append(rid)
+                texts[rid] = text
+        except ValueError:
+            for rid in rids:  # all or nothing
+                self.engine.abort_request(rid)
+            self.engine.step()  # drain the aborts' outputs
+            raise
+        return self._run(rids, texts)
+
+    def _run(self, rids: list[str], texts: dict) -> list[RequestOutput]:
+        pending = set(rids)
+        logprobs: dict[tuple[str, int], list] = {}
+        done: dict[str, RequestOutput] = {}
+        while pending:
+            for out in self.engine.step():
+                for c in out.outputs:
+                    if c.logprobs is not None:
+                        logprobs.setdefault((out.request_id, c.index), []).extend(c.logprobs)
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    done[out.request_id] = self._final(out, texts[out.request_id], logprobs)
+        return [done[r] for r in rids]
+
+    def _final(self, out: RequestOutput, prompt: str | None, logprobs: dict) -> RequestOutput:
+        completions = []
+        for c in out.outputs:
+            lps = c.logprobs if c.logprobs is None else logprobs.get((out.request_id, c.index), c.logprobs)
+            text = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            completions.append(CompletionOutput(c.index, list(c.token_ids), list(c.token_ids), lps, c.finish_reason,
+                                                c.cumulative_logprob, text))
+        return RequestOutput(out.request_id, completions, out.prompt_token_ids, out.num_cached_tokens, True, prompt)

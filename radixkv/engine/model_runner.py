@@ -1,0 +1,149 @@
+"""ModelRunner: owns the model and its paged KV cache on the device; runs one step.
+
+A step: COW block copies first (a sample about to write into a block it shared gets its own
+copy before anyone writes), then the forward over the flattened batch, then the logits of
+the rows that sample. Decode batches replay CUDA graphs on the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from radixkv.engine.batch import Batch, build_batch
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.sequence import Sequence
+from radixkv.models.attention import AttentionMetadata
+from radixkv.models.config import ModelConfig
+from radixkv.models.loader import load_model
+
+logger = logging.getLogger("radixkv.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GRAPH_POOL_MARGIN = 512 << 20  # bytes kept free for CUDA graph pools and allocator slack
+
+
+def resolve_dtype(name: str, model_dtype: str, device: str) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device == "cpu":
+        return torch.float32
+    dt = DTYPES.get(model_dtype, torch.bfloat16)
+    return torch.bfloat16 if dt == torch.float32 else dt
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, device: str):
+        self.config, self.model_cfg, self.device = config, model_cfg, torch.device(device)
+        self.dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.backend = backend
+        self.block_size = config.block_size
+        self.max_positions = min(model_cfg.max_model_len, config.max_model_len or model_cfg.max_model_len)
+        self.model = load_model(config.model_dir, model_cfg, device=device, dtype=self.dtype, backend=backend,
+                                load_format=config.load_format, max_positions=self.max_positions, seed=config.seed)
+        if backend == "triton":
+            from kernels import copy_blocks
+        else:
+            from kernels.reference import copy_blocks_ref as copy_blocks
+        self._copy_blocks = copy_blocks
+        self.num_blocks = config.num_blocks or self._auto_num_blocks()
+        self.kv_cache = torch.zeros(
+            (model_cfg.num_layers, 2, self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim),
+            dtype=self.dtype, device=self.device,
+        )
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.dtype)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from radixkv.engine.cuda_graph import DecodeGraphs
+
+            max_blocks = -(-self.max_positions // self.block_size)
+            self.graphs = DecodeGraphs(self.model, min(config.max_cuda_graph_batch, config.max_num_seqs),
+                                       max_blocks, self.device)
+
+    # ---- sizing -----------------------------------------------------------------------
+    def _block_bytes(self) -> int:
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        return self.block_size * self.model_cfg.kv_bytes_per_token(itemsize)
+
+    def _auto_num_blocks(self) -> int:
+        cfg = self.config
+        # never more than every running sequence at full length needs
+        cap = cfg.max_num_seqs * -(-self.max_positions // self.block_size)
+        if self.device.type != "cuda":
+            return max(1, min(cap, int(cfg.cpu_kv_cache_gib * 2**30) // self._block_bytes()))
+        activations = self._profile_peak_activations()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * cfg.gpu_memory_utilization - (total - free) - activations - GRAPH_POOL_MARGIN
+        blocks = int(budget // self._block_bytes())
+        if blocks < 1:
+            raise ValueError(
+                f"gpu_memory_utilization {cfg.gpu_memory_utilization}: no memory left for the KV cache "
+                f"(weights and activations take {(total - free + activations) / 2**30:.1f} GiB of {total / 2**30:.1f})"
+            )
+        logger.info("memory: %.1f GiB in use after loading, %.2f GiB peak activations, %d KV blocks fit",
+                    (total - free) / 2**30, activations / 2**30, blocks)
+        return min(blocks, cap)
+
+    @torch.inference_mode()
+    def _profile_peak_activations(self) -> int:
+        """Peak extra memory of a forward at the largest step (all batched tokens, max logits rows)."""
+        cfg, mc = self.config, self.model_cfg
+        tokens = min(cfg.max_num_batched_tokens, self.max_positions)
+        nb = -(-tokens // self.block_size)
+        scratch = torch.zeros((mc.num_layers, 2, nb, self.block_size, mc.num_kv_heads, mc.head_dim),
+                              dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = scratch[i, 0], scratch[i, 1]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(tokens, device=self.device),
+            block_tables=torch.arange(nb, dtype=torch.int32, device=self.device)[None],
+            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            max_seqlen_q=tokens,
+        )
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, torch.arange(tokens, device=self.device), meta)
+        rows = torch.full((min(cfg.max_num_seqs, tokens),), tokens - 1, device=self.device)
+        self.model.compute_logits(hidden[rows]).float().log_softmax(-1)  # what the sampler holds
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, hidden, meta
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- the step ---------------------------------------------------------------------
+    def _tensor(self, arr: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(arr).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]],
+                copy_ops: list[tuple[int, int]]) -> tuple[Batch, torch.Tensor | None]:
+        """Run one step; returns the batch and the logits [len(batch.sample_seqs), vocab] (None if empty)."""
+        if copy_ops:
+            self._copy_blocks(self.kv_cache, torch.tensor(copy_ops, dtype=torch.int64))
+        batch = build_batch(scheduled, block_tables, self.block_size)
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits = self.graphs.run(batch)
+            return batch, logits[self._tensor(batch.sample_rows)] if len(batch.sample_seqs) else None
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(batch.slot_mapping),
+            block_tables=self._tensor(batch.block_tables),
+            cu_seqlens_q=self._tensor(batch.cu_seqlens_q),
+            seq_lens=self._tensor(batch.seq_lens),
+            max_seqlen_q=batch.max_seqlen_q,
+        )
+        hidden = self.model(self._tensor(batch.input_ids), self._tensor(batch.positions), meta)
+        if not batch.sample_seqs:
+            return batch, None
+        return batch, self.model.compute_logits(hidden[self._tensor(batch.sample_rows)])

@@ -1,0 +1,154 @@
+"""Continuous batching over the radix cache.
+
+Every step has a token budget. Running sequences come first, in admission order: each takes
+what it still has to compute (1 token when decoding, a chunk of its prompt otherwise), so
+prefill chunks and decodes share a step. When the pool has no block left for one of them,
+the most recently admitted running sequence is preempted (its blocks freed, its tokens kept,
+recomputed later; committed blocks usually come back as cache hits). Waiting sequences are
+then admitted while the budget, the sequence limit and the pool allow, preempted ones first.
+
+No deadlock: a sequence alone always fits, because the engine rejects up front any request
+whose prompt + max_tokens exceeds the pool, and a sequence that cannot grow preempts others
+before itself.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from radixkv.engine.sequence import Sequence, Status
+
+LPM_WINDOW = 64  # waiting sequences the longest-prefix policy looks at per step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, cache, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_chunk: int | None, policy: str = "fcfs"):
+        self.cache = cache
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._pending_forks = 0  # seats held for samples not forked yet
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is Status.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Stop a sequence (waiting or running) and release its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._pending_forks -= seq.pending_forks
+            self.cache.free(seq.seq_id)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason, seq.pending_forks = Status.FINISHED, reason, 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Child shares all of parent's blocks; called once parent's prompt is computed."""
+        assert parent.status is Status.RUNNING and parent.pending_forks > 0
+        self.cache.fork(parent.seq_id, child.seq_id)
+        parent.pending_forks -= 1
+        self._pending_forks -= 1
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = Status.RUNNING
+        self.running.append(child)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._pending_forks -= seq.pending_forks
+        self.cache.free(seq.seq_id)
+        seq.status, seq.num_computed_tokens, seq.preempted = Status.WAITING, 0, True
+        self.waiting.appendleft(seq)  # victims leave latest-first, so earlier ones end up in front
+        self.num_preemptions += 1
+
+    # ---- the step -------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        return min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_prefill_chunk)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            assert n > 0, "a running sequence has nothing to compute"
+            while self.cache.reserve_slots(seq.seq_id, n) != 0:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        if not out.preempted:  # admitting right after a preemption would only thrash
+            budget = self._admit(out, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        hits = self._lpm_hits() if self.policy == "lpm" else None
+        while self.waiting and budget > 0:
+            idx = self._pick(hits)
+            seq = self.waiting[idx]
+            if len(self.running) + self._pending_forks + 1 + seq.pending_forks > self.max_num_seqs:
+                break
+            salt = seq.request.cache_salt
+            # cheap check before add_sequence, which pins blocks and counts a prefix query
+            hit = self.cache.peek_prefix(seq.token_ids, salt=salt)
+            n = min(seq.num_tokens - hit, budget, self.max_prefill_chunk)
+            needed = -(-(hit + n) // self.block_size) - hit // self.block_size
+            if needed > self.cache.num_available_blocks:
+                break
+            hit = self.cache.add_sequence(seq.seq_id, seq.token_ids, salt=salt)
+            n = min(seq.num_tokens - hit, budget, self.max_prefill_chunk)
+            if self.cache.reserve_slots(seq.seq_id, n) != 0:
+                self.cache.free(seq.seq_id)
+                break
+            del self.waiting[idx]
+            if seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = hit
+            seq.status, seq.num_computed_tokens, seq.preempted = Status.RUNNING, hit, False
+            self.running.append(seq)
+            self._pending_forks += seq.pending_forks
+            out.scheduled.append((seq, n))
+            budget -= n
+        return budget
+
+    def _lpm_hits(self) -> dict[int, int]:
+        window = list(self.waiting)[:LPM_WINDOW]
+        return {id(s): self.cache.peek_prefix(s.token_ids, salt=s.request.cache_salt) for s in window}
+
+    def _pick(self, hits: dict[int, int] | None) -> int:
+        """Index in `waiting` of the next sequence to admit."""
+        head = self.waiting[0]
+        if hits is None or head.preempted:
+            return 0  # FCFS; preempted sequences always go first
+        best, best_hit = 0, -1
+        for idx, seq in enumerate(self.waiting):
+            if idx >= LPM_WINDOW:
+                break
+            h = hits.get(id(seq), 0)
+            if h > best_hit:
+                best, best_hit = idx, h
+        return best

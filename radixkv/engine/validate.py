@@ -1,0 +1,40 @@
+"""Checks of a new request against the engine's limits; ValueError naming the argument."""
+
+from __future__ import annotations
+
+from radixkv.engine.sampling_params import SamplingParams
+
+
+def validate_request(engine, request_id, prompt_token_ids, params, cache_salt) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+    if request_id in engine.requests:
+        raise ValueError(f"request_id {request_id!r} is already in use")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be None or a str, got {type(cache_salt).__name__}")
+    if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+        raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+    vocab = engine.model_config.vocab_size
+    bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab),
+               None)
+    if bad is not None:
+        raise ValueError(f"prompt_token_ids: {bad!r} is not a token id in [0, {vocab})")
+    bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"stop_token_ids: {bad} is not a token id in [0, {vocab})")
+    n_prompt, limit = len(prompt_token_ids), engine.max_model_len
+    if n_prompt >= limit:
+        raise ValueError(
+            f"prompt_token_ids: prompt of {n_prompt} tokens leaves no room to generate: the context limit is "
+            f"{limit} tokens (model {engine.runner.max_positions}, KV pool {engine.num_blocks * engine.block_size})"
+        )
+    if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
+        raise ValueError(
+            f"max_tokens: prompt ({n_prompt}) + max_tokens ({params.max_tokens}) exceeds the context limit of "
+            f"{limit} tokens (model {engine.runner.max_positions}, KV pool {engine.num_blocks * engine.block_size})"
+        )
+    if params.num_samples > engine.config.max_num_seqs:
+        raise ValueError(f"best_of/n: {params.num_samples} samples exceed max_num_seqs ({engine.config.max_num_seqs})")
