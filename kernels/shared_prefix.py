@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from kernels.attention_config import num_sms
 from kernels.runtime import ensure_runnable, next_pow2
 from kernels.shared_prefix_derive import derive_groups
 from kernels.shared_prefix_groups import PrefixGroups, check_decode
@@ -50,29 +51,46 @@ __all__ = ["PrefixGroups", "SharedPrefixConfig", "derive_groups", "shared_prefix
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
+MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in partials than it gains
 
 
 @dataclass(frozen=True)
 class SharedPrefixConfig:
     block_m: int = 64            # shared tile rows: members x q-per-kv, padded (power of 2, >= 16)
-    block_n: int = 64            # KV tokens per loop step (power of 2, >= 16)
-    shared_split_len: int = 512  # shared KV tokens per program (rounded up to block_n)
-    private_split_len: int = 0   # private KV tokens per program; 0: one program per row
+    block_n: int = 64            # shared KV tokens per loop step (power of 2, >= 16)
     num_warps: int = 4
     num_stages: int = 2
-    private_block_n: int = 64
+    shared_split_len: int = 0    # shared KV tokens per program; 0: enough splits to fill the GPU
+    private_block_n: int = 64    # private KV tokens per loop step
+    private_split_len: int = 0   # private KV tokens per program; 0: split only small batches
 
     def validate(self):
         for name in ("block_m", "block_n", "private_block_n"):
             v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"config.{name}: must be a power of two >= 16, got {v}")
-        if self.shared_split_len < 1 or self.private_split_len < 0:
-            raise ValueError("config: shared_split_len must be >= 1, private_split_len >= 0")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"config.{name}: must be a power of two >= 16, got {v!r}")
+        for name in ("shared_split_len", "private_split_len", "num_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (name == "num_stages"):
+                raise ValueError(f"config.{name}: expected a non-negative int, got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"config.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
 
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+def _splits(length, fixed, tile, programs, sms):
+    """(splits, tokens per split, a multiple of tile) over `length` tokens: `fixed` tokens per
+    split if given, else enough splits for ~2 programs per SM, each >= MIN_SPLIT_TOKENS."""
+    if fixed:
+        n = _cdiv(length, _cdiv(fixed, tile) * tile)
+    else:
+        n = min(_cdiv(2 * sms, max(programs, 1)), length // MIN_SPLIT_TOKENS)
+    n = max(1, min(MAX_SPLITS, n))
+    per = max(tile, _cdiv(_cdiv(length, n), tile) * tile)
+    return _cdiv(length, per), per
 
 
 def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *, scale, out=None,
@@ -81,6 +99,8 @@ def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *,
     (picks the private split; default: the table's capacity)."""
     check_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, scale, out)
     cfg = config or SharedPrefixConfig()
+    if not isinstance(cfg, SharedPrefixConfig):
+        raise ValueError(f"config: expected a SharedPrefixConfig, got {type(cfg).__name__}")
     cfg.validate()
     if q.dtype == torch.float64:
         raise ValueError("q: float64 is reference-only; use shared_prefix_decode_ref")
@@ -90,67 +110,57 @@ def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *,
     _, block_size, kv_heads, _ = k_cache.shape
     if batch == 0:
         return out
-    qpk = num_heads // kv_heads
+    qpk, dev, sms = num_heads // kv_heads, q.device, num_sms(q.device)
     block_d = max(16, next_pow2(head_dim))
     # The interpreter computes bf16 wrongly: it gets fp32 operands. On the GPU the dots take
     # the cache's own dtype (tensor cores) and accumulate in fp32.
-    dot = tl.float32 if q.device.type == "cpu" or q.dtype == torch.float32 else \
+    dot = tl.float32 if dev.type == "cpu" or q.dtype == torch.float32 else \
         (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
     qk_scale = float(scale) * LOG2E
-    dev = q.device
     n_members, levels = groups.members.shape[0], groups.num_levels
-    # Shared partials: [split, member slot, head, d] fp32 and their lse.
-    s_splits = 1
-    if groups.num_groups and n_members and groups.max_shared_len:
-        s_len = _cdiv(max(cfg.shared_split_len, 1), cfg.block_n) * cfg.block_n
-        s_splits = max(1, min(MAX_SPLITS, _cdiv(groups.max_shared_len, s_len)))
-        s_len = _cdiv(_cdiv(groups.max_shared_len, s_splits), cfg.block_n) * cfg.block_n
+    shared = groups.num_groups > 0 and n_members > 0 and groups.max_shared_len > 0
+    block_m = max(cfg.block_m, next_pow2(qpk))
+    tile_members = block_m // qpk
+    tiles = _cdiv(groups.max_members, tile_members)
+    s_splits, s_len = 1, 1
+    if shared:
+        s_splits, s_len = _splits(groups.max_shared_len, cfg.shared_split_len, cfg.block_n,
+                                  groups.num_groups * tiles * kv_heads, sms)
+    # Shared partials [split, member slot, head, d] and their lse, fp32.
     po = torch.empty((s_splits, max(n_members, 1), num_heads, head_dim), dtype=torch.float32,
                      device=dev)
     plse = torch.empty((s_splits, max(n_members, 1), num_heads), dtype=torch.float32, device=dev)
-    if groups.num_groups and n_members and groups.max_shared_len:
-        block_m = max(cfg.block_m, next_pow2(qpk))
-        tile_members = block_m // qpk
-        tiles = _cdiv(groups.max_members, tile_members)
+    common = (*po.stride()[:3], *plse.stride()[:2])
+    kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+    if shared:
         _shared_kernel[(groups.num_groups * tiles, kv_heads, s_splits)](
             q, k_cache, v_cache, groups.block_tables, groups.shared_lens, groups.cu_members,
-            groups.members, po, plse,
-            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-            groups.block_tables.stride(0), *po.stride()[:3], *plse.stride()[:2],
-            qk_scale, s_len,
+            groups.members, po, plse, q.stride(0), q.stride(1), *kv_strides,
+            groups.block_tables.stride(0), *common, qk_scale, s_len,
             TILES=tiles, QPK=qpk, TILE_MEMBERS=tile_members, BLOCK_M=block_m,
             BLOCK_N=cfg.block_n, BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             DOT=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    # Private part: split when long and the caller allows it.
-    bound = max_private_len if max_private_len is not None else block_tables.shape[1] * block_size
-    p_len = max(1, bound)
-    if cfg.private_split_len:
-        p_len = _cdiv(cfg.private_split_len, cfg.private_block_n) * cfg.private_block_n
-    p_splits = max(1, min(MAX_SPLITS, _cdiv(bound, p_len)))
-    if p_splits > 1:
-        p_len = _cdiv(_cdiv(bound, p_splits), cfg.private_block_n) * cfg.private_block_n
+    bound = block_tables.shape[1] * block_size if max_private_len is None else max_private_len
+    p_splits, p_len = _splits(max(bound, 1), cfg.private_split_len, cfg.private_block_n,
+                              batch * kv_heads, sms)
     fuse = p_splits == 1
-    shape = (p_splits if not fuse else 1, batch if not fuse else 1, num_heads)
+    shape = (p_splits, batch, num_heads) if not fuse else (1, 1, 1)
     xo = torch.empty(shape + (head_dim,), dtype=torch.float32, device=dev)
     xlse = torch.empty(shape, dtype=torch.float32, device=dev)
-    slots = groups.seq_slots if levels else torch.full((batch, 1), -1, dtype=torch.int32, device=dev)
+    slots = groups.seq_slots if levels else groups.private_start  # not read when levels == 0
     block_h = max(16, next_pow2(qpk))
-    common = (*po.stride()[:3], *plse.stride()[:2])
     _private_kernel[(batch, kv_heads, p_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, groups.private_start, slots,
-        po, plse, out, xo, xlse,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        po, plse, out, xo, xlse, q.stride(0), q.stride(1), *kv_strides,
         block_tables.stride(0), slots.stride(0), *common, out.stride(0), out.stride(1),
-        *xo.stride()[:3], *xlse.stride()[:2],
-        qk_scale, p_len,
+        *xo.stride()[:3], *xlse.stride()[:2], qk_scale, p_len,
         QPK=qpk, BLOCK_H=block_h, BLOCK_N=cfg.private_block_n, BLOCK_D=block_d,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT=dot, LEVELS=levels,
         SHARED_SPLITS=s_splits, FUSE=fuse, num_warps=4, num_stages=cfg.num_stages)
     if not fuse:
         _combine_kernel[(batch, kv_heads)](
-            slots, po, plse, xo, xlse, out,
-            slots.stride(0), *common, *xo.stride()[:3], *xlse.stride()[:2],
-            out.stride(0), out.stride(1),
+            slots, po, plse, xo, xlse, out, slots.stride(0), *common, *xo.stride()[:3],
+            *xlse.stride()[:2], out.stride(0), out.stride(1),
             QPK=qpk, BLOCK_H=block_h, BLOCK_D=block_d, HEAD_DIM=head_dim, LEVELS=levels,
             SHARED_SPLITS=s_splits, PRIVATE_SPLITS=p_splits, num_warps=4)
     return out

@@ -91,3 +91,30 @@ def hand_groups(segments, batch, device="cpu"):
         private_start=torch.tensor(starts, **i32),
         max_members=max([len(s[2]) for s in segments] + [0]),
         max_shared_len=max([s[1] for s in segments] + [0]))
+
+
+def tree_batch(rng: random.Random, batch, *, level_blocks, fanout, private_tokens, block_size):
+    """`batch` rows under a tree: level l cuts every node into fanout[l] parts holding
+    level_blocks[l] fresh blocks each; then each row's private tokens (a (lo, hi) range)."""
+    num_blocks = batch * (sum(level_blocks) + private_tokens[1] // block_size + 2)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    take = lambda n: [ids.pop() for _ in range(n)]  # noqa: E731
+    rows = [[] for _ in range(batch)]
+    parts = [list(range(batch))]
+    for nblk, fan in zip(level_blocks, fanout):
+        parts = [p[i::fan] for p in parts for i in range(fan) if p[i::fan]]
+        for p in parts:
+            seg = take(nblk)
+            for b in p:
+                rows[b] += seg
+    lens = []
+    for r in rows:
+        n = rng.randint(*private_tokens)
+        r += take(_cdiv(n, block_size))
+        lens.append((len(r) - _cdiv(n, block_size)) * block_size + n)
+    return rows, lens, num_blocks
+
+
+def _cdiv(a, b):
+    return -(-a // b)
