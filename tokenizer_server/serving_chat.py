@@ -16,6 +16,7 @@ from tokenizer_server.serving_common import (
     effective_salt,
     new_id,
     resolve_max_tokens,
+    start_stream,
     stream,
 )
 
@@ -70,11 +71,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     created = int(time.time())
     group.start()
     if req.stream:
-        try:
-            first = await group.wait_started()
-        except BaseException:
-            group.close()
-            raise
+        first = await start_stream(group, request)
 
         def chunk(choices, usage=None) -> dict:
             c = {"id": group.request_id, "object": "chat.completion.chunk", "created": created, "model": req.model,

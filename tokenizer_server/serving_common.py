@@ -3,6 +3,7 @@ the model (context length, vocabulary), SamplingOptions, and the two ways a grou
 events leave: collected into one JSON body, or streamed as server-sent events."""
 
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -120,24 +121,45 @@ def sse(obj) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def collect(group: GenerationGroup, request: Request) -> list:
-    """All events of a non-streamed request. A client that hangs up aborts the request."""
+@contextlib.asynccontextmanager
+async def abort_on_disconnect(group: GenerationGroup, request: Request):
+    """While inside, a client that hangs up aborts the group and wakes its reader. Leave it
+    before a StreamingResponse starts: that one listens for the disconnect itself."""
 
-    async def watch_disconnect():
+    async def watch():
         while (await request.receive())["type"] != "http.disconnect":
             pass
         group.close()
         group.cancel("client disconnected")
 
-    watcher = asyncio.get_running_loop().create_task(watch_disconnect())
-    events = []
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        while not group.finished:
-            events.extend(await group.next_events())
+        yield
     finally:
         watcher.cancel()
+
+
+async def collect(group: GenerationGroup, request: Request) -> list:
+    """All events of a non-streamed request."""
+    events = []
+    try:
+        async with abort_on_disconnect(group, request):
+            while not group.finished:
+                events.extend(await group.next_events())
+    finally:
         group.close()
     return events
+
+
+async def start_stream(group: GenerationGroup, request: Request) -> list:
+    """Wait for the first output of every engine request before the response commits to
+    200, so a rejection is a 400 and a dead worker a 503. Returns the events seen."""
+    try:
+        async with abort_on_disconnect(group, request):
+            return await group.wait_started()
+    except BaseException:
+        group.close()
+        raise
 
 
 def stream(group: GenerationGroup, first_events: list, to_chunks, tail) -> StreamingResponse:

@@ -16,6 +16,7 @@ from tokenizer_server.serving_common import (
     effective_salt,
     new_id,
     resolve_max_tokens,
+    start_stream,
     stream,
 )
 
@@ -93,11 +94,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
 
     group.start()
     if req.stream:
-        try:
-            first = await group.wait_started()
-        except BaseException:
-            group.close()
-            raise
+        first = await start_stream(group, request)
 
         def chunk(choices, usage=None) -> dict:
             c = {"id": group.request_id, "object": "text_completion", "created": created, "model": req.model,
