@@ -1,0 +1,54 @@
+"""Batch tensors of a mixed step, and the generate command."""
+
+import subprocess
+import sys
+
+import numpy as np
+
+from radixkv.engine.batch import build_batch
+from radixkv.engine.sampling_params import SamplingParams
+from radixkv.engine.sequence import Request, Sequence
+
+
+def _seq(i, tokens, computed):
+    req = Request(f"r{i}", tokens[:5], SamplingParams(), arrival=i)
+    s = Sequence(i, req, 0, list(tokens), num_computed_tokens=computed)
+    req.seqs.append(s)
+    return s
+
+
+def test_build_batch_mixed_prefill_chunk_and_decode():
+    a = _seq(0, [10, 11, 12, 13, 14, 15, 16], computed=2)  # chunk of 3 of its prompt: positions 2..4
+    b = _seq(1, [20, 21, 22, 23, 24, 25], computed=5)  # decode of its last token at position 5
+    batch = build_batch([(a, 3), (b, 1)], [[7, 3], [1, 9]], block_size=4)
+    assert batch.input_ids.tolist() == [12, 13, 14, 25]
+    assert batch.positions.tolist() == [2, 3, 4, 5]
+    assert batch.slot_mapping.tolist() == [7 * 4 + 2, 7 * 4 + 3, 3 * 4 + 0, 9 * 4 + 1]
+    assert batch.cu_seqlens_q.tolist() == [0, 3, 4] and batch.cu_seqlens_q.dtype == np.int32
+    assert batch.seq_lens.tolist() == [5, 6]
+    assert batch.block_tables.tolist() == [[7, 3], [1, 9]]
+    assert batch.max_seqlen_q == 3 and not batch.is_decode
+    # a's chunk ends before its last token: only b samples
+    assert batch.sample_rows.tolist() == [3] and batch.sample_seqs == [b]
+
+
+def test_generate_command(tiny_llama_dir, capsys):
+    import argparse
+
+    from radixkv.engine import generate_cmd
+
+    p = argparse.ArgumentParser()
+    generate_cmd.add_arguments(p)
+    args = p.parse_args([str(tiny_llama_dir), "--prompt", "Hello", "--prompt", "abc", "--max-tokens", "5",
+                         "--num-blocks", "64", "--json"])
+    assert generate_cmd.main(args) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    assert len(lines) == 2 and '"finish_reason"' in lines[0]
+    bad = p.parse_args([str(tiny_llama_dir), "--prompt", "x", "--temperature", "-1"])
+    assert generate_cmd.main(bad) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_generate_command_imports_no_torch():
+    code = "import sys, radixkv.engine.generate_cmd; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
