@@ -6,6 +6,7 @@ import sys
 import numpy as np
 
 from radixkv.engine.batch import build_batch
+from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.sequence import Request, Sequence
 
@@ -20,7 +21,10 @@ def _seq(i, tokens, computed):
 def test_build_batch_mixed_prefill_chunk_and_decode():
     a = _seq(0, [10, 11, 12, 13, 14, 15, 16], computed=2)  # chunk of 3 of its prompt: positions 2..4
     b = _seq(1, [20, 21, 22, 23, 24, 25], computed=5)  # decode of its last token at position 5
-    batch = build_batch([(a, 3), (b, 1)], [[7, 3], [1, 9]], block_size=4)
+    tables = BlockTables(max_rows=4, max_blocks=8, block_size=4)
+    tables.sync([(5, [6, 6, 6], 4)])  # another sequence's row, with a longer table
+    rows = tables.sync([(0, [7, 3], a.num_computed_tokens), (1, [1, 9], b.num_computed_tokens)])
+    batch = build_batch([(a, 3), (b, 1)], tables, rows)
     assert batch.input_ids.tolist() == [12, 13, 14, 25]
     assert batch.positions.tolist() == [2, 3, 4, 5]
     assert batch.slot_mapping.tolist() == [7 * 4 + 2, 7 * 4 + 3, 3 * 4 + 0, 9 * 4 + 1]
@@ -30,6 +34,20 @@ def test_build_batch_mixed_prefill_chunk_and_decode():
     assert batch.max_seqlen_q == 3 and not batch.is_decode
     # a's chunk ends before its last token: only b samples
     assert batch.sample_rows.tolist() == [3] and batch.sample_seqs == [b]
+
+
+def test_block_table_rows_refresh_only_what_can_change():
+    t = BlockTables(max_rows=2, max_blocks=6, block_size=4)
+    [r] = t.sync([(0, [4, 5], 5)])  # block 0 is computed: final from now on
+    assert t.table[r, :2].tolist() == [4, 5]
+    t.sync([(0, [4, 8, 9], 9)])  # copy-on-write replaced block 1, block 2 appended
+    assert t.table[r, :3].tolist() == [4, 8, 9] and t.lens[r] == 3
+    t.table[r, 0] = 77  # a final entry is not rewritten...
+    t.sync([(0, [4, 8, 9], 9)])
+    assert t.table[r, 0] == 77
+    t.release(0)  # ...until the row is released (preemption, finish) and synced afresh
+    [r2] = t.sync([(0, [4, 8, 9], 0)])
+    assert t.table[r2, :3].tolist() == [4, 8, 9]
 
 
 def test_generate_command(tiny_llama_dir, capsys):

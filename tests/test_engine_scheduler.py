@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from radixkv.cache import KVCacheManager
 from radixkv.engine.batch import build_batch
+from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.sequence import Request, Sequence, Status
@@ -18,6 +19,8 @@ def _simulate(lengths, max_tokens, block_size, num_blocks, max_num_seqs, budget,
     cache = KVCacheManager(num_blocks, block_size)
     sched = Scheduler(cache, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                       max_prefill_chunk=chunk, policy=policy)
+    tables = BlockTables(max_num_seqs, num_blocks, block_size)
+    sched.on_free = lambda s: tables.release(s.seq_id)
     shared = [rng.randrange(100) for _ in range(12)]
     seqs = []
     for i, (n, m) in enumerate(zip(lengths, max_tokens)):
@@ -37,7 +40,11 @@ def _simulate(lengths, max_tokens, block_size, num_blocks, max_num_seqs, budget,
         assert out.num_batched_tokens == sum(n for _, n in out.scheduled) <= budget
         assert len(sched.running) <= max_num_seqs
         assert all(n <= chunk for s, n in out.scheduled if s.num_computed_tokens + n < s.num_tokens)
-        build_batch(out.scheduled, [cache.block_table(s.seq_id) for s, _ in out.scheduled], block_size)
+        rows = tables.sync([(s.seq_id, cache.block_table(s.seq_id), s.num_computed_tokens) for s, _ in out.scheduled])
+        batch = build_batch(out.scheduled, tables, rows)
+        for i, (s, _) in enumerate(out.scheduled):  # the mirrored rows equal the cache's tables
+            table = cache.block_table(s.seq_id)
+            assert batch.block_tables[i, : len(table)].tolist() == table
         for seq, n in out.scheduled:
             cache.mark_computed(seq.seq_id, n)
             seq.num_computed_tokens += n

@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import torch
 
+from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.outputs import CompletionOutput, RequestOutput
@@ -42,6 +43,8 @@ class Engine:
         self.scheduler = Scheduler(self.cache, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk, policy=config.scheduling_policy)
+        self.tables = BlockTables(config.max_num_seqs, -(-self.max_model_len // self.block_size), self.block_size)
+        self.scheduler.on_free = lambda seq: self.tables.release(seq.seq_id)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.sampler = Sampler(self.device, self.model_config.eos_token_ids, config.seed)
         self.requests: dict[str, Request] = {}
@@ -92,8 +95,9 @@ class Engine:
         return outputs
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:
-        tables = [self.cache.block_table(s.seq_id) for s, _ in scheduled]
-        batch, logits = self.runner.execute(scheduled, tables, self.cache.take_copy_ops())
+        table = self.cache.block_table
+        rows = self.tables.sync([(s.seq_id, table(s.seq_id), s.num_computed_tokens) for s, _ in scheduled])
+        batch, logits = self.runner.execute(scheduled, self.tables, rows, self.cache.take_copy_ops())
         self.counters["steps"] += 1
         for seq, n in scheduled:
             self.cache.mark_computed(seq.seq_id, n)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from radixkv.engine.batch import Batch, build_batch
+from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.sequence import Sequence
 from radixkv.models.attention import AttentionMetadata
@@ -127,12 +128,12 @@ class ModelRunner:
         return torch.from_numpy(arr).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]],
+    def execute(self, scheduled: list[tuple[Sequence, int]], tables: BlockTables, rows: list[int],
                 copy_ops: list[tuple[int, int]]) -> tuple[Batch, torch.Tensor | None]:
         """Run one step; returns the batch and the logits [len(batch.sample_seqs), vocab] (None if empty)."""
         if copy_ops:
             self._copy_blocks(self.kv_cache, torch.tensor(copy_ops, dtype=torch.int64))
-        batch = build_batch(scheduled, block_tables, self.block_size)
+        batch = build_batch(scheduled, tables, rows)
         if self.graphs is not None and self.graphs.fits(batch):
             logits = self.graphs.run(batch)
             return batch, logits[self._tensor(batch.sample_rows)] if len(batch.sample_seqs) else None

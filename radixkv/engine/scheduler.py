@@ -42,6 +42,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._pending_forks = 0  # seats held for samples not forked yet
+        self.on_free = None  # called with a sequence whose blocks were just freed
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -56,7 +57,7 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self._pending_forks -= seq.pending_forks
-            self.cache.free(seq.seq_id)
+            self._free(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason, seq.pending_forks = Status.FINISHED, reason, 0
@@ -71,10 +72,15 @@ class Scheduler:
         child.status = Status.RUNNING
         self.running.append(child)
 
+    def _free(self, seq: Sequence) -> None:
+        self.cache.free(seq.seq_id)
+        if self.on_free is not None:
+            self.on_free(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._pending_forks -= seq.pending_forks
-        self.cache.free(seq.seq_id)
+        self._free(seq)
         seq.status, seq.num_computed_tokens, seq.preempted = Status.WAITING, 0, True
         self.waiting.appendleft(seq)  # victims leave latest-first, so earlier ones end up in front
         self.num_preemptions += 1
