@@ -149,7 +149,7 @@ def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *,
     xlse = torch.empty(shape, dtype=torch.float32, device=dev)
     slots = groups.seq_slots if levels else groups.private_start  # not read when levels == 0
     block_h = max(16, next_pow2(qpk))
-    _private_kernel[(batch, kv_heads, p_splits)](
+    _private_kernel[(kv_heads, batch, p_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, groups.private_start, slots,
         po, plse, out, xo, xlse, q.stride(0), q.stride(1), *kv_strides,
         block_tables.stride(0), slots.stride(0), *common, out.stride(0), out.stride(1),
@@ -158,7 +158,7 @@ def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT=dot, LEVELS=levels,
         SHARED_SPLITS=s_splits, FUSE=fuse, num_warps=4, num_stages=cfg.num_stages)
     if not fuse:
-        _combine_kernel[(batch, kv_heads)](
+        _combine_kernel[(kv_heads, batch)](
             slots, po, plse, xo, xlse, out, slots.stride(0), *common, *xo.stride()[:3],
             *xlse.stride()[:2], out.stride(0), out.stride(1),
             QPK=qpk, BLOCK_H=block_h, BLOCK_D=block_d, HEAD_DIM=head_dim, LEVELS=levels,

@@ -131,10 +131,11 @@ def _private_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr,
     LEVELS: tl.constexpr, SHARED_SPLITS: tl.constexpr, FUSE: tl.constexpr,
 ):
-    # Grid (row, kv head, KV split of the private part). FUSE (one split): fold in the
-    # shared partials and write the output; else write a partial for _combine_kernel.
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
+    # Grid (kv head, row, KV split of the private part): a row's kv heads run side by side,
+    # so together they read whole tokens. FUSE (one split): fold in the shared partials and
+    # write the output; else write a partial for _combine_kernel.
+    kvh = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     rows = tl.arange(0, BLOCK_H)
     row_ok = rows < QPK
@@ -174,11 +175,11 @@ def _combine_kernel(
     QPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     LEVELS: tl.constexpr, SHARED_SPLITS: tl.constexpr, PRIVATE_SPLITS: tl.constexpr,
 ):
-    # Grid (row, kv head): merge the private splits' and the shared partials.
-    b = tl.program_id(0).to(tl.int64)
+    # Grid (kv head, row): merge the private splits' and the shared partials.
+    b = tl.program_id(1).to(tl.int64)
     rows = tl.arange(0, BLOCK_H)
     row_ok = rows < QPK
-    head = tl.program_id(1) * QPK + rows
+    head = tl.program_id(0) * QPK + rows
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     mask = row_ok[:, None] & d_ok[None, :]
