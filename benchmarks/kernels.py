@@ -6,8 +6,10 @@ same run as ceilings.
 
 One layer, 32 query / 8 kv heads, head dim 128, bf16, block size 16. Decode at batch
 {1, 32, 256} x context {512, 4k, 32k}; prefill of a 2,048-token chunk over a 0 / 8k prefix.
-Times are medians of triton.testing.do_bench (CUDA events, L2 flushed between runs).
---sweep also times a few alternative tile configs per shape (for tuning the defaults).
+Times are GPU times: each call captured in a CUDA graph (as the engine runs decode), median
+over replays, rotating among enough input sets that small problems are not served from L2.
+The eager column (triton.testing.do_bench) adds Python and launch overhead.
+--sweep also times alternative tile configs per shape (for tuning the defaults).
 """
 
 import argparse
@@ -27,6 +29,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from kernels import paged_attention  # noqa: E402
 from kernels.attention_config import AttentionConfig, default_config  # noqa: E402
@@ -37,16 +40,16 @@ DTYPE = torch.bfloat16
 DEV = "cuda"  # set in main(); "cpu" only for --smoke runs through the interpreter
 DECODE_SHAPES = [(b, c) for b in (1, 32, 256) for c in (512, 4096, 32768)]
 PREFILL_SHAPES = [(2048, 0), (2048, 8192)]
-DECODE_SWEEP = [AttentionConfig(16, 32, 4, 4), AttentionConfig(16, 64, 4, 2),
-                AttentionConfig(16, 128, 4, 2), AttentionConfig(16, 128, 8, 3),
-                AttentionConfig(16, 64, 2, 3)]
-PREFILL_SWEEP = [AttentionConfig(128, 128, 8, 3), AttentionConfig(64, 64, 4, 3),
-                 AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 64, 4, 3),
-                 AttentionConfig(64, 128, 4, 3), AttentionConfig(128, 32, 4, 4)]
+DECODE_SWEEP = [AttentionConfig(16, 64, 4, 2), AttentionConfig(16, 64, 4, 3),
+                AttentionConfig(16, 128, 4, 2), AttentionConfig(16, 64, 2, 3)]
+PREFILL_SWEEP = [AttentionConfig(128, 128, 8, 3), AttentionConfig(128, 128, 8, 2),
+                 AttentionConfig(128, 64, 8, 3), AttentionConfig(64, 64, 4, 3),
+                 AttentionConfig(64, 128, 4, 2), AttentionConfig(128, 128, 8, 4),
+                 AttentionConfig(64, 64, 4, 4), AttentionConfig(128, 64, 4, 3)]
 
 
 def timeit(fn) -> float:
-    """Median milliseconds (CPU smoke runs: median of 3 wall-clock runs)."""
+    """Eager median milliseconds, launch overhead included (do_bench; CPU smoke: wall clock)."""
     if DEV == "cuda":
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     runs = []
@@ -55,6 +58,34 @@ def timeit(fn) -> float:
         fn()
         runs.append((time.perf_counter() - t) * 1e3)
     return sorted(runs)[1]
+
+
+def graph_time(fns) -> float:
+    """GPU milliseconds per call: the calls (one per rotating input set, so small problems
+    are not served from L2) captured in one CUDA graph, median over replays."""
+    if DEV != "cuda":
+        return timeit(lambda: [f() for f in fns]) / len(fns)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    deadline = time.perf_counter() + 0.3
+    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 100):
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    del graph
+    return sorted(times)[len(times) // 2] / len(fns)
 
 
 def ceilings(smoke) -> dict:
@@ -82,73 +113,84 @@ def paged_problem(batch, ctx, n_q, gen):
     q = torch.randn(batch * n_q, H, D, device=DEV, dtype=DTYPE, generator=gen)
     cu = torch.arange(0, batch * n_q + 1, n_q, device=DEV, dtype=torch.int32)
     lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
-    return q, caches, contig, tables, cu, lens
+    return dict(q=q, kc=caches[0], vc=caches[1], kcont=contig[0], vcont=contig[1], tables=tables,
+                cu=cu, lens=lens, out=torch.empty_like(q))
 
 
-def sdpa_peer(q, kc, vc, n_q, ctx, batch, scale):
-    """SDPA on contiguous K/V, causal aligned to the end of the context. Returns (name, fn,
-    output); falls back to repeating kv heads if GQA and the lower-right mask do not mix."""
-    q4 = q.view(batch, n_q, H, D).transpose(1, 2).contiguous()
-    if n_q == 1 or n_q == ctx:
-        kw = {"is_causal": n_q > 1}
-    else:
-        from torch.nn.attention.bias import causal_lower_right
-        kw = {"attn_mask": causal_lower_right(n_q, ctx)}
-    try:
-        fn = lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True, **kw)
-        return "sdpa(enable_gqa)", fn, fn()
-    except Exception as e:  # noqa: BLE001 - record and fall back
-        print(f"SDPA with enable_gqa failed ({e!r:.120}); repeating kv heads", flush=True)
-    kr, vr = kc.repeat_interleave(H // KVH, 1), vc.repeat_interleave(H // KVH, 1)
-    fn = lambda: F.scaled_dot_product_attention(q4, kr, vr, scale=scale, **kw)
-    return "sdpa(repeated kv heads)", fn, fn()
+def sdpa_peer(p, n_q, ctx, batch, scale, repeat_kv=False):
+    """SDPA on contiguous K/V, causal aligned to the end of the context."""
+    q4 = p["q"].view(batch, n_q, H, D).transpose(1, 2).contiguous()
+    kw = {"is_causal": n_q > 1} if n_q in (1, ctx) else {"attn_mask": causal_lower_right(n_q, ctx)}
+    if repeat_kv:  # fallback if GQA and the lower-right mask do not mix in this torch
+        kr, vr = p["kcont"].repeat_interleave(H // KVH, 1), p["vcont"].repeat_interleave(H // KVH, 1)
+        return lambda: F.scaled_dot_product_attention(q4, kr, vr, scale=scale, **kw)
+    return lambda: F.scaled_dot_product_attention(q4, p["kcont"], p["vcont"], scale=scale,
+                                                  enable_gqa=True, **kw)
 
 
 def run_shape(kind, batch, ctx, n_q, sweep, gen, ceil):
-    q, (kc, vc), (kcont, vcont), tables, cu, lens = paged_problem(batch, ctx, n_q, gen)
     scale = D ** -0.5
-    out = torch.empty_like(q)
-    cfg = default_config(q.device, num_seqs=batch, kv_heads=KVH, group=H // KVH, head_dim=D,
-                         max_seqlen_q=n_q, max_context=tables.shape[1] * BS, is_decode=n_q == 1)
+    kv_bytes = 2 * batch * ctx * KVH * D * 2
+    n_sets = 1 if DEV == "cpu" else min(64, -(-(512 << 20) // kv_bytes))  # > 8x L2 in all
+    sets = [paged_problem(batch, ctx, n_q, gen) for _ in range(n_sets)]
+    cfg = default_config(sets[0]["q"].device, num_seqs=batch, kv_heads=KVH, group=H // KVH,
+                         head_dim=D, max_seqlen_q=n_q, max_context=ctx, is_decode=n_q == 1)
 
-    def ours(c):
-        return lambda: paged_attention(q, kc, vc, tables, cu, lens, scale=scale, max_seqlen_q=n_q,
-                                       out=out, config=c)
+    def ours(c, p):
+        return lambda: paged_attention(p["q"], p["kc"], p["vc"], p["tables"], p["cu"], p["lens"],
+                                       scale=scale, max_seqlen_q=n_q, out=p["out"], config=c)
 
     t0 = time.perf_counter()
-    ours(cfg)()
-    if DEV == "cuda":
-        torch.cuda.synchronize()
+    ours(cfg, sets[0])()
+    torch.cuda.synchronize() if DEV == "cuda" else None
     first_call_s = time.perf_counter() - t0
-    peer_name, peer, ref = sdpa_peer(q, kcont, vcont, n_q, ctx, batch, scale)
-    err = ((out.view(batch, n_q, H, D).transpose(1, 2).float() - ref.float()).norm()
-           / ref.float().norm()).item()
-    t_ours, t_sdpa = timeit(ours(cfg)), timeit(peer)
-    kv_bytes = 2 * batch * ctx * KVH * D * q.element_size()
+    peer_name, repeat_kv = "sdpa(enable_gqa)", False
+    try:
+        ref = sdpa_peer(sets[0], n_q, ctx, batch, scale)()
+    except Exception as e:  # noqa: BLE001 - record and fall back
+        print(f"SDPA with enable_gqa failed ({e!r:.120}); repeating kv heads", flush=True)
+        peer_name, repeat_kv = "sdpa(repeated kv heads)", True
+        ref = sdpa_peer(sets[0], n_q, ctx, batch, scale, True)()
+    got = sets[0]["out"].view(batch, n_q, H, D).transpose(1, 2).float()
+    err = ((got - ref.float()).norm() / ref.float().norm()).item()
+    peers = [sdpa_peer(p, n_q, ctx, batch, scale, repeat_kv) for p in sets]
+    t_ours = graph_time([ours(cfg, p) for p in sets])
+    try:
+        t_sdpa = graph_time(peers)
+    except Exception as e:  # noqa: BLE001 - a backend that cannot be captured: time eagerly
+        print(f"SDPA graph capture failed ({e!r:.120}); timing it eagerly", flush=True)
+        t_sdpa, peer_name = timeit(peers[0]), peer_name + " eager"
     flops = batch * attention_flops(n_q, ctx, H, D)
     row = {"kind": kind, "batch": batch, "context": ctx, "n_q": n_q, "config": cfg.__dict__,
            "us": t_ours * 1e3, "sdpa_us": t_sdpa * 1e3, "ratio_vs_sdpa": t_ours / t_sdpa,
            "kv_GBps": kv_bytes / t_ours / 1e6, "frac_copy_bw": kv_bytes / t_ours / 1e6 / ceil["copy_GBps"],
            "sdpa_frac_copy_bw": kv_bytes / t_sdpa / 1e6 / ceil["copy_GBps"],
            "TFLOPs": flops / t_ours / 1e9, "sdpa_TFLOPs": flops / t_sdpa / 1e9,
-           "rel_err_vs_sdpa": err, "first_call_s": first_call_s, "peer": peer_name}
+           "eager_us": timeit(ours(cfg, sets[0])) * 1e3, "sdpa_eager_us": timeit(peers[0]) * 1e3,
+           "rel_err_vs_sdpa": err, "first_call_s": first_call_s, "peer": peer_name, "input_sets": n_sets}
     if sweep:
-        variants = []
-        base = DECODE_SWEEP if n_q == 1 else PREFILL_SWEEP
-        alts = [AttentionConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, cfg.num_splits) for c in base]
-        if cfg.num_splits > 1:
-            alts += [AttentionConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, s)
-                     for s in (cfg.num_splits // 2, min(64, cfg.num_splits * 2))]
-        for alt in alts:
+        row["sweep"] = []
+        for alt in sweep_configs(cfg, batch, n_q):
             try:
-                variants.append({"config": alt.__dict__, "us": timeit(ours(alt)) * 1e3})
-            except Exception as e:  # e.g. a tile that exceeds shared memory
-                variants.append({"config": alt.__dict__, "error": repr(e)[:200]})
-        row["sweep"] = variants
-    del q, kc, vc, kcont, vcont, tables, out, ref, peer
+                row["sweep"].append({"config": alt.__dict__,
+                                     "us": graph_time([ours(alt, p) for p in sets]) * 1e3})
+            except Exception as e:  # noqa: BLE001 - e.g. a tile that exceeds shared memory
+                row["sweep"].append({"config": alt.__dict__, "error": repr(e)[:200]})
+    del sets, peers, ref, got
     if DEV == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def sweep_configs(cfg, batch, n_q):
+    if n_q > 1:
+        return PREFILL_SWEEP
+    alts = [AttentionConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, cfg.num_splits)
+            for c in DECODE_SWEEP]
+    if batch * KVH < 1024:  # small batches: how many splits pays
+        alts += [AttentionConfig(16, bn, 4, 2, s) for bn in (64, 128) for s in (1, 2, 4, 8, 16, 32, 64)
+                 if s != cfg.num_splits]
+    return alts
 
 
 def to_markdown(res) -> str:
@@ -160,13 +202,15 @@ def to_markdown(res) -> str:
              f"Ceilings measured in the same run: copy {c['copy_GBps']:.0f} GB/s, "
              f"bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s.", "",
              "| kind | batch | context | q tokens | ours (us) | SDPA (us) | ours/SDPA | KV GB/s | "
-             "frac. of copy BW | SDPA frac. | TFLOP/s | splits | rel. err vs SDPA |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "frac. of copy BW | SDPA frac. | TFLOP/s | SDPA TFLOP/s | splits | eager ours / SDPA (us) "
+             "| rel. err vs SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['kind']} | {r['batch']} | {r['context']} | {r['n_q']} | {r['us']:.1f} | "
                      f"{r['sdpa_us']:.1f} | {r['ratio_vs_sdpa']:.2f} | {r['kv_GBps']:.0f} | "
                      f"{r['frac_copy_bw']:.2f} | {r['sdpa_frac_copy_bw']:.2f} | {r['TFLOPs']:.0f} | "
-                     f"{r['config']['num_splits']} | {r['rel_err_vs_sdpa']:.1e} |")
+                     f"{r['sdpa_TFLOPs']:.0f} | {r['config']['num_splits']} | "
+                     f"{r['eager_us']:.1f} / {r['sdpa_eager_us']:.1f} | {r['rel_err_vs_sdpa']:.1e} |")
     sweeps = [r for r in res["rows"] if r.get("sweep")]
     if sweeps:
         lines += ["", "Tile-config sweep (default vs fastest alternative):", "",

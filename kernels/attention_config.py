@@ -44,6 +44,7 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of shapes, called every step
 def default_config(device, *, num_seqs, kv_heads, group, head_dim, max_seqlen_q, max_context,
                    is_decode, dtype=torch.bfloat16):
     """is_decode: every query chunk is at most one token (max_seqlen_q == 1)."""
@@ -58,11 +59,11 @@ def default_config(device, *, num_seqs, kv_heads, group, head_dim, max_seqlen_q,
         by_len = max(1, max_context // MIN_SPLIT_TOKENS)
         splits = min(MAX_SPLITS, want, by_len)
         splits = 1 if splits <= 1 else 1 << (splits.bit_length() - 1)  # round down to 2^k
-        return AttentionConfig(block_m, block_n, num_warps=4, num_stages=2 if fp32 else 3,
-                               num_splits=splits)
+        return AttentionConfig(block_m, block_n, num_warps=4, num_stages=2, num_splits=splits)
     if device.type != "cuda":
         return AttentionConfig(max(16, next_pow2(group)), 16, num_warps=4, num_stages=1)
     if fp32:
         return AttentionConfig(max(32, next_pow2(group)), 32, num_warps=4, num_stages=2)
-    block_m = max(128 if block_d <= 128 else 64, next_pow2(group))
-    return AttentionConfig(block_m, 64, num_warps=8, num_stages=3)
+    if block_d > 128:
+        return AttentionConfig(max(64, next_pow2(group)), 64, num_warps=8, num_stages=2)
+    return AttentionConfig(max(128, next_pow2(group)), 128, num_warps=8, num_stages=3)

@@ -94,14 +94,16 @@ def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ko, stride_kh, stride_bt,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    # Heaviest q-blocks (latest in a chunk: the longest causal range) start first.
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    # Axis 0 walks kv heads fastest and q-blocks from the last: the heaviest q-blocks
+    # (longest causal range) of every head start first, the light ones fill the tail.
+    lin = tl.program_id(0)
+    kv_head = lin % KV_HEADS
+    pid = tl.num_programs(0) // KV_HEADS - 1 - lin // KV_HEADS
+    split = tl.program_id(1)
     if IS_DECODE:  # at most one query per sequence: program i is sequence i
         seq = pid
         q_block = 0
@@ -206,12 +208,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *
     else:
         part_acc = part_ml = out  # unused
     interp = q.device.type == "cpu"
-    _paged_attention_kernel[(grid_m, kv_heads, splits)](
+    _paged_attention_kernel[(grid_m * kv_heads, splits)](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, part_acc, part_ml,
         float(scale) * LOG2E, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
+        NUM_HEADS=num_heads, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_SPLITS=splits, IS_DECODE=is_decode,
         UPCAST=interp and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
