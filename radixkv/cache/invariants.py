@@ -45,8 +45,10 @@ def check_manager(m) -> None:
 
     # Sequences: committed blocks are a chain of whole nodes from their namespace root.
     for sid, seq in m._seqs.items():
-        if not seq.num_computed <= min(len(seq.tokens), len(seq.table) * B):
-            _fail(f"sequence {sid!r}: {seq.num_computed} computed > tokens or slots")
+        if not seq.num_computed <= min(len(seq.tokens), seq.num_reserved):
+            _fail(f"sequence {sid!r}: {seq.num_computed} computed > tokens or reserved slots")
+        if seq.num_reserved > len(seq.table) * B:
+            _fail(f"sequence {sid!r}: {seq.num_reserved} slots reserved but {len(seq.table)} blocks held")
         chain, node = [], seq.node
         while node.parent is not None:
             chain[:0] = node.blocks

@@ -32,6 +32,7 @@ class Sequence:
     node: Node  # end of the chain of committed blocks (the namespace root if none)
     num_computed: int
     num_committed: int  # table[:num_committed] are in the tree, in chain order
+    num_reserved: int  # slots [0, num_reserved) may be written (reserve_slots granted them)
 
 
 def _count(value, name: str) -> int:
@@ -76,7 +77,7 @@ class KVCacheManager:
             if n:
                 node, blocks = self.tree.lock(path)
         hit = len(blocks) * self.block_size
-        self._seqs[seq_id] = Sequence(tokens, blocks, ns, node, hit, len(blocks))
+        self._seqs[seq_id] = Sequence(tokens, blocks, ns, node, hit, len(blocks), hit)
         self.prefix_query_tokens += len(tokens)
         self.prefix_hit_tokens += hit
         ns.query_tokens += len(tokens)
@@ -112,6 +113,7 @@ class KVCacheManager:
         new, cow = self._plan(seq, _count(num_tokens, "num_tokens"))
         need = new + (cow >= 0)
         if need == 0:
+            seq.num_reserved = max(seq.num_reserved, seq.num_computed + num_tokens)
             return 0
         available = self.num_available_blocks
         if need > available:
@@ -128,6 +130,7 @@ class KVCacheManager:
             self.copy_on_write_blocks += 1
             self._unref(src)
         seq.table += blocks
+        seq.num_reserved = max(seq.num_reserved, seq.num_computed + num_tokens)
         return 0
 
     def mark_computed(self, seq_id, num_tokens: int) -> None:
@@ -138,9 +141,9 @@ class KVCacheManager:
         if end > len(seq.tokens):
             raise ValueError(f"num_tokens={num_tokens}: only {len(seq.tokens) - seq.num_computed} "
                              f"known tokens of {seq_id!r} are not computed yet (append_tokens first)")
-        if end > len(seq.table) * self.block_size:
+        if end > seq.num_reserved:
             raise ValueError(f"num_tokens={num_tokens}: {seq_id!r} has slots reserved up to token "
-                             f"{len(seq.table) * self.block_size} only (reserve_slots first)")
+                             f"{seq.num_reserved} only (reserve_slots first)")
         seq.num_computed = end
         full = end // self.block_size
         if self.enable_prefix_caching and full > seq.num_committed:
@@ -159,7 +162,7 @@ class KVCacheManager:
         for b in shared:
             ref[b] += 1
         self._seqs[child_id] = Sequence(array(TOKEN_TYPECODE, parent.tokens), shared, parent.ns, parent.node,
-                                        parent.num_computed, parent.num_committed)
+                                        parent.num_computed, parent.num_committed, parent.num_computed)
 
     def free(self, seq_id) -> None:
         """Drop the sequence; its cached blocks stay in the tree (evictable once unheld)."""
