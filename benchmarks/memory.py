@@ -118,6 +118,8 @@ def _run_plain(t: _Trace, workload) -> None:
 
 def _run_beams(t: _Trace, workload) -> None:
     beams = [t.admit(r) for r in workload.requests]
+    # Beam i of a request writes its own token stream; built once, not per fork.
+    outputs = [[[(tok + 11 * i) % 2045 + 3 for tok in r.output] for i in range(r.beam_width)] for r in workload.requests]
     t.sample()
     for step in range(max(len(r.output) for r in workload.requests)):
         for g, r in enumerate(workload.requests):
@@ -128,7 +130,7 @@ def _run_beams(t: _Trace, workload) -> None:
             for i in range(len(parents)):
                 child = t.new_id()
                 t.m.fork(parents[t.rng.randrange(len(parents))], child)
-                t.live[child] = ([(tok + 11 * i) % 2045 + 3 for tok in r.output], step)
+                t.live[child] = (outputs[g][i], step)
                 children.append(child)
             for p in parents:  # dropped beams release their blocks before the children write
                 t.m.free(p)

@@ -60,3 +60,11 @@ def test_cli_writes_json_and_markdown(tmp_path):
     rows = json.loads((tmp_path / "memory.json").read_text())
     assert {r["block_size"] for r in rows} == {8, 16, 32, 128}
     assert "Memory accounting" in (tmp_path / "memory.md").read_text()
+
+
+def test_one_copy_of_the_shared_system_prompt():
+    # One group, equal lengths: all 12 requests are live at the peak; the 160-token (10-block)
+    # system prompt must be held once, so sharing saves exactly 11 copies of it.
+    w = wl.generated_shared_prefix(groups=1, per_group=12, system_len=160, question_len=20, output_len=30, seed=0)
+    r = measure(w, 16)
+    assert r.peak_paged_blocks - r.peak_shared_blocks == 11 * 10
