@@ -42,6 +42,9 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
+    # A union reports one error per member; the deepest names the field most precisely.
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(first.get("loc", ()))[:2]]
+    first = max(same_field, key=lambda e: len(e.get("loc", ())))
     loc = [p for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", first.get("msg", ""))

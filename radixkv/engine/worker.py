@@ -37,6 +37,21 @@ def _die_with_parent() -> None:
         pass  # not Linux: the getppid check in the loop still notices
 
 
+def _remove_orphaned_ipc(cfg: P.WorkerConfig) -> None:
+    """The front died without cleaning up (SIGKILL): remove its socket files and folder."""
+    paths = [a.removeprefix("ipc://") for a in (cfg.request_addr, cfg.output_addr) if a.startswith("ipc://")]
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    if paths:
+        try:
+            os.rmdir(os.path.dirname(paths[0]))
+        except OSError:
+            pass  # not empty or gone: not ours to force
+
+
 def to_sampling_params(opts: P.SamplingOptions):
     from radixkv.engine.sampling_params import SamplingParams
 
@@ -167,6 +182,8 @@ def main(argv=None) -> int:
         req.close(linger=0)
         out.close(linger=1000)  # let a last WorkerFatal reach the front
         ctx.term()
+        if os.getppid() != cfg.parent_pid:
+            _remove_orphaned_ipc(cfg)
 
 
 if __name__ == "__main__":
