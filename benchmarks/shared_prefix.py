@@ -37,12 +37,12 @@ H, KVH, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 DEV = "cuda"
 DEADLINE = float("inf")  # perf_counter() after which the sweep stops (set by --budget-s)
-SWEEP = [SharedPrefixConfig(bm, bn, w, st, split)  # (block_m, block_n, warps, stages, split)
-         for bm, bn, w, st, split in [(64, 64, 4, 2, 1024), (64, 64, 4, 2, 2048), (128, 64, 8, 2, 0),
-                                      (128, 64, 8, 2, 2048), (128, 128, 8, 2, 1024),
-                                      (64, 128, 4, 2, 1024), (64, 64, 4, 3, 0), (32, 64, 4, 2, 0),
-                                      (64, 64, 8, 2, 0)]]
-SWEEP += [SharedPrefixConfig(private_block_n=n) for n in (32, 128)]
+_C = SharedPrefixConfig
+SWEEP = [_C(overlap=False), _C(block_m=128, num_warps=8), _C(shared_split_len=1024),
+         _C(shared_split_len=2048), _C(block_m=128, num_warps=8, shared_split_len=1024),
+         _C(block_m=128, block_n=128, num_warps=8, shared_split_len=1024), _C(block_n=128),
+         _C(num_stages=3), _C(private_block_n=32), _C(private_block_n=128),
+         _C(private_num_warps=2), _C(private_num_warps=8)]
 
 
 def timeit(fn) -> float:
@@ -82,8 +82,25 @@ def tree_tables(batch, level_tokens, fanout, private, rng):
     return rows, lens, num_blocks
 
 
+def graph_ms(fn) -> float:
+    """Median ms of replaying fn captured in a CUDA graph (GPU time, no launch overhead);
+    eager time where capture is impossible (CPU smoke runs, a peer that cannot capture)."""
+    fn()
+    if DEV != "cuda":
+        return timeit(fn)
+    try:
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+    except Exception as e:  # noqa: BLE001 - record, fall back to eager
+        print(f"graph capture failed ({e!r:.100}); timing eagerly", flush=True)
+        return timeit(fn)
+    return timeit(g.replay)
+
+
 def scenario(name, batch, level_tokens, fanout, private, *, gen, bw, max_levels=4, sdpa=True,
-             sweep=False, graph=False, reference=False, share=True):
+             sweep=False, detail=False, share=True):
     rows, lens, num_blocks = tree_tables(batch, level_tokens, fanout, private, random.Random(batch))
     tables = torch.tensor(rows, dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
@@ -107,40 +124,36 @@ def scenario(name, batch, level_tokens, fanout, private, *, gen, bw, max_levels=
 
     plain = lambda: paged_attention(q, kc, vc, bt, cu, sl, scale=scale, max_seqlen_q=1,  # noqa: E731
                                     out=out_plain)
-    ours()()
-    plain()
+    t_ours, t_plain = graph_ms(ours()), graph_ms(plain)
     err = ((out.float() - out_plain.float()).norm() / out_plain.float().norm()).item()
-    t_ours, t_plain = timeit(ours()), timeit(plain)
     kv_tok = 2 * KVH * D * q.element_size()  # bytes of K and V per token
-    plain_bytes = sum(lens) * kv_tok
     unique = int(groups.shared_lens.sum()) + sum(lens) - int(groups.private_start.sum())
+    to_us = lambda nbytes: nbytes / (bw * 1e9) * 1e6  # noqa: E731
     row = {"name": name, "batch": batch, "levels_tokens": level_tokens, "fanout": fanout,
            "private": private, "groups": groups.num_groups, "levels": groups.num_levels,
            "us": t_ours * 1e3, "plain_us": t_plain * 1e3, "speedup_vs_plain": t_plain / t_ours,
-           "floor_us": unique * kv_tok / bw * 1e3, "plain_floor_us": plain_bytes / bw * 1e3,
+           "floor_us": to_us(unique * kv_tok), "plain_floor_us": to_us(sum(lens) * kv_tok),
            "derive_groups_ms": derive_ms, "rel_err_vs_plain": err}
     row["frac_of_floor"] = row["floor_us"] / row["us"]
-    if reference:
+    if detail:
+        row["eager_us"], row["plain_eager_us"] = timeit(ours()) * 1e3, timeit(plain) * 1e3
         ref = shared_prefix_decode_ref(q.float(), kc.float(), vc.float(), groups, bt, sl, scale=scale)
+        ours()()
         row["rel_err_vs_fp32_ref"] = ((out.float() - ref).norm() / ref.norm()).item()
-    if graph and DEV == "cuda":
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            ours()()
-        row["graph_us"] = timeit(g.replay) * 1e3
-    if graph and DEV == "cuda":
-        row["kernel_us"] = kernel_breakdown(ours())
+        if DEV == "cuda":
+            row["kernel_us"] = kernel_breakdown(ours())
     if sdpa:
         ctx = max(lens)  # equal lengths here: contiguous [B, KVH, ctx, D]
         kcont = kc[bt.long()].view(batch, -1, KVH, D)[:, :ctx].transpose(1, 2).contiguous()
         vcont = vc[bt.long()].view(batch, -1, KVH, D)[:, :ctx].transpose(1, 2).contiguous()
         q4 = q.view(batch, H, 1, D)
-        fn = lambda: F.scaled_dot_product_attention(q4, kcont, vcont, scale=scale,  # noqa: E731
-                                                    enable_gqa=True)
-        row["sdpa_us"] = timeit(fn) * 1e3
-        row["sdpa_rel_err"] = ((fn().view(batch, H, D).float() - out_plain.float()).norm()
+        res = {}
+        fn = lambda: res.__setitem__("o", F.scaled_dot_product_attention(  # noqa: E731
+            q4, kcont, vcont, scale=scale, enable_gqa=True))
+        row["sdpa_us"] = graph_ms(fn) * 1e3
+        row["sdpa_rel_err"] = ((res["o"].view(batch, H, D).float() - out_plain.float()).norm()
                                / out_plain.float().norm()).item()
-        del kcont, vcont
+        del kcont, vcont, res
     if sweep:
         row["sweep"] = []
         for cfg in SWEEP:
@@ -148,7 +161,7 @@ def scenario(name, batch, level_tokens, fanout, private, *, gen, bw, max_levels=
                 row["sweep"].append({"config": cfg.__dict__, "error": "skipped: --budget-s spent"})
                 continue
             try:
-                row["sweep"].append({"config": cfg.__dict__, "us": timeit(ours(cfg)) * 1e3})
+                row["sweep"].append({"config": cfg.__dict__, "us": graph_ms(ours(cfg)) * 1e3})
             except Exception as e:  # noqa: BLE001 - e.g. a tile beyond shared memory
                 row["sweep"].append({"config": cfg.__dict__, "error": repr(e)[:200]})
     print(json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
@@ -180,23 +193,33 @@ def to_markdown(res) -> str:
              f"physical blocks. Copy bandwidth measured in the same run: {res['copy_GBps']:.0f} GB/s. "
              "Floor = K/V bytes at that bandwidth (shared segments once + private parts; "
              "plain floor: every row's whole context).", "",
+             "All times are GPU time per call, CUDA-graph replays (no launch overhead), medians.", "",
              "| scenario | batch | shared tokens per level (fan-out) | private | levels | ours (us) | "
-             "graph (us) | plain paged (us) | SDPA contiguous (us) | speedup vs plain | "
-             "floor (us) | plain floor (us) | floor/ours | derive_groups (ms, CPU) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "plain paged (us) | SDPA contiguous (us) | speedup vs plain | floor (us) | "
+             "plain floor (us) | floor/ours | derive_groups (ms, CPU) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda r, k: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
     for r in res["rows"]:
         lv = " -> ".join(f"{t} ({n})" for t, n in zip(r["levels_tokens"], r["fanout"])) or "none"
         lines.append(f"| {r['name']} | {r['batch']} | {lv} | {r['private']} | {r['levels']} | "
-                     f"{r['us']:.1f} | {f(r, 'graph_us')} | {r['plain_us']:.1f} | {f(r, 'sdpa_us')} | "
+                     f"{r['us']:.1f} | {r['plain_us']:.1f} | {f(r, 'sdpa_us')} | "
                      f"{r['speedup_vs_plain']:.2f}x | {r['floor_us']:.1f} | {r['plain_floor_us']:.1f} | "
                      f"{r['frac_of_floor']:.2f} | {r['derive_groups_ms']:.2f} |")
     for r in res["rows"]:
+        if "eager_us" in r:
+            lines += ["", f"`{r['name']}` eagerly (launch overhead included): ours "
+                      f"{r['eager_us']:.1f} us, plain {r['plain_eager_us']:.1f} us; relative error "
+                      f"vs an fp32 torch reference {r['rel_err_vs_fp32_ref']:.1e}."]
+    for r in res["rows"]:
         if r.get("sweep"):
-            lines += ["", f"Config sweep on `{r['name']}` (us per call):", "",
+            lines += ["", f"Config sweep on `{r['name']}` (us per call, graph replays; default "
+                      f"{r['us']:.1f}):", "",
                       "| config | us |", "|---|---|"]
-            lines += [f"| {v['config']} | {v['us']:.1f} |" if "us" in v else
-                      f"| {v['config']} | {v['error']} |" for v in r["sweep"]]
+            base = SharedPrefixConfig().__dict__
+            for v in r["sweep"]:
+                diff = ", ".join(f"{k}={x}" for k, x in v["config"].items() if base[k] != x)
+                lines.append(f"| {diff or 'default'} | " + (f"{v['us']:.1f} |" if "us" in v
+                                                              else f"{v['error']} |"))
     for r in res["rows"]:
         if r.get("kernel_us"):
             lines += ["", f"GPU time per call by kernel on `{r['name']}` (profiler, us): "
@@ -230,7 +253,7 @@ def main(argv=None):
     s = 1 if not args.smoke else 0
     big = (lambda n: n) if s else (lambda n: max(64, n // 16))
     plan = [("shared 2048 + 128", 256 if s else 4, [big(2048)], [1], 128 if s else 20,
-             dict(sweep=args.sweep, graph=True, reference=True)),
+             dict(sweep=args.sweep, detail=True)),
             ("tree 1024 -> 8 x 512 + 128", 256 if s else 8, [big(1024), big(512)], [1, 8],
              128 if s else 20, {}),
             ("tree, one level only", 256 if s else 8, [big(1024), big(512)], [1, 8], 128 if s else 20,

@@ -23,18 +23,21 @@ API
 - Result: softmax(q K^T * scale) V over each row's whole context, exactly as plain paged
   attention over the row's own table would give when the segments hold the same KV.
 
-How: launch 1, one program per (group x tile of members, kv head, KV split) loads each
-shared K/V tile once and runs it against members x q-per-kv query rows with tl.dot,
-writing a partial output and log-sum-exp per row; launch 2, one program per (row, kv
-head) attends to the private part and merges in the row's shared partials by
-log-sum-exp (a third, tiny launch merges when the private part is split too).
-No host sync: CUDA-graph capturable for fixed shapes and host ints.
+How: the shared kernel, one program per (group x tile of members, kv head, KV split),
+loads each shared K/V tile once and runs it against members x q-per-kv query rows with
+tl.dot, writing a partial output and log-sum-exp (lse) per row. The private kernel, one
+program per (kv head, row), attends to the row's private part. They run side by side on
+two streams (one is bound by tensor cores, the other by bandwidth) and a third launch
+merges the partials by lse; with config overlap=False the private kernel merges instead.
+No host sync: CUDA-graph capturable (the side stream forks from and joins the caller's)
+for fixed shapes and host ints.
 
 derive_groups works on the CPU tables (a tensor is fastest; lists of ids work) in well
 under a millisecond for 256 rows; groups stay valid while the batch's rows are the same.
 """
 
-import math
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +66,11 @@ class SharedPrefixConfig:
     shared_split_len: int = 0    # shared KV tokens per program; 0: enough splits to fill the GPU
     private_block_n: int = 64    # private KV tokens per loop step
     private_split_len: int = 0   # private KV tokens per program; 0: split only small batches
+    private_num_warps: int = 4
+    # With shared work, run the shared kernel (tensor-core bound) on a side stream next to
+    # the private one (bandwidth bound) and merge both in a third launch; False: one stream,
+    # the private kernel merges the shared partials itself.
+    overlap: bool = True
 
     def validate(self):
         for name in ("block_m", "block_n", "private_block_n"):
@@ -73,8 +81,17 @@ class SharedPrefixConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (name == "num_stages"):
                 raise ValueError(f"config.{name}: expected a non-negative int, got {v!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"config.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        for name in ("num_warps", "private_num_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"config.{name}: expected 1, 2, 4, 8 or 16, got "
+                                 f"{getattr(self, name)!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"config.overlap: expected a bool, got {self.overlap!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device_index: int):
+    return torch.cuda.Stream(device=device_index)
 
 
 def _cdiv(a, b):
@@ -132,18 +149,24 @@ def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *,
     plse = torch.empty((s_splits, max(n_members, 1), num_heads), dtype=torch.float32, device=dev)
     common = (*po.stride()[:3], *plse.stride()[:2])
     kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+    overlap = shared and cfg.overlap
+    side = main = None
+    if overlap and dev.type == "cuda":  # fork: the side stream starts after all inputs
+        main, side = torch.cuda.current_stream(dev), _side_stream(dev.index)
+        side.wait_stream(main)
     if shared:
-        _shared_kernel[(groups.num_groups * tiles, kv_heads, s_splits)](
-            q, k_cache, v_cache, groups.block_tables, groups.shared_lens, groups.cu_members,
-            groups.members, po, plse, q.stride(0), q.stride(1), *kv_strides,
-            groups.block_tables.stride(0), *common, qk_scale, s_len,
-            TILES=tiles, QPK=qpk, TILE_MEMBERS=tile_members, BLOCK_M=block_m,
-            BLOCK_N=cfg.block_n, BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            DOT=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _shared_kernel[(groups.num_groups * tiles, kv_heads, s_splits)](
+                q, k_cache, v_cache, groups.block_tables, groups.shared_lens, groups.cu_members,
+                groups.members, po, plse, q.stride(0), q.stride(1), *kv_strides,
+                groups.block_tables.stride(0), *common, qk_scale, s_len,
+                TILES=tiles, QPK=qpk, TILE_MEMBERS=tile_members, BLOCK_M=block_m,
+                BLOCK_N=cfg.block_n, BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                DOT=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     bound = block_tables.shape[1] * block_size if max_private_len is None else max_private_len
     p_splits, p_len = _splits(max(bound, 1), cfg.private_split_len, cfg.private_block_n,
                               batch * kv_heads, sms)
-    fuse = p_splits == 1
+    fuse = p_splits == 1 and not overlap
     shape = (p_splits, batch, num_heads) if not fuse else (1, 1, 1)
     xo = torch.empty(shape + (head_dim,), dtype=torch.float32, device=dev)
     xlse = torch.empty(shape, dtype=torch.float32, device=dev)
@@ -156,7 +179,10 @@ def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *,
         *xo.stride()[:3], *xlse.stride()[:2], qk_scale, p_len,
         QPK=qpk, BLOCK_H=block_h, BLOCK_N=cfg.private_block_n, BLOCK_D=block_d,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT=dot, LEVELS=levels,
-        SHARED_SPLITS=s_splits, FUSE=fuse, num_warps=4, num_stages=cfg.num_stages)
+        SHARED_SPLITS=s_splits, FUSE=fuse, num_warps=cfg.private_num_warps,
+        num_stages=cfg.num_stages)
+    if side is not None:  # join before the merge reads the shared partials
+        main.wait_stream(side)
     if not fuse:
         _combine_kernel[(kv_heads, batch)](
             slots, po, plse, xo, xlse, out, slots.stride(0), *common, *xo.stride()[:3],

@@ -5,6 +5,7 @@ tests run on the GPU. Every case draws a fresh seed, printed on failure.
 """
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,14 +29,17 @@ def plain(p):
 
 
 def run_both(p, groups, tol, config=None, **kw):
-    out = poisoned_out(p.q)
-    got = shared_prefix_decode(p.q, p.k_cache, p.v_cache, groups, p.block_tables, p.seq_lens,
-                               scale=p.scale, out=out, config=config, **kw)
-    assert got is out
+    """Both merge paths (a merge launch after two streams; the private kernel merging)."""
     ref = shared_prefix_decode_ref(p.q.double(), p.k_cache.double(), p.v_cache.double(), groups,
                                    p.block_tables, p.seq_lens, scale=p.scale)
-    assert_close(out, ref, tol, p.seed, "kernel vs shared reference")
     assert_close(ref, plain(p), 1e-12, p.seed, "shared reference vs plain paged reference")
+    config = config or SharedPrefixConfig()
+    for cfg in (config, replace(config, overlap=not config.overlap)):
+        out = poisoned_out(p.q)
+        got = shared_prefix_decode(p.q, p.k_cache, p.v_cache, groups, p.block_tables, p.seq_lens,
+                                   scale=p.scale, out=out, config=cfg, **kw)
+        assert got is out
+        assert_close(out, ref, tol, p.seed, f"kernel (overlap={cfg.overlap}) vs shared reference")
     return out
 
 
