@@ -130,6 +130,28 @@ class BlockHasher:
     def key(self, parent_key: bytes, token_bytes: bytes, extra: bytes = b"") -> bytes:
         return self.digest(parent_key + token_bytes + extra)
 
+    def chain(self, parent_key: bytes, data: bytes, block_bytes: int, first_extra: bytes = b"") -> list[bytes]:
+        """Keys of the consecutive blocks in `data`, chained from `parent_key`; the first
+        block also takes `first_extra`. The commit hot path: one tight loop per algorithm."""
+        keys = []
+        append = keys.append
+        n = len(data) // block_bytes
+        if n == 0:
+            return keys
+        key = self.digest(parent_key + data[:block_bytes] + first_extra)
+        append(key)
+        if self.algo == "sha256":
+            new = hashlib.sha256
+            for off in range(block_bytes, n * block_bytes, block_bytes):
+                key = new(key + data[off : off + block_bytes]).digest()
+                append(key)
+        else:
+            digest = self.digest
+            for off in range(block_bytes, n * block_bytes, block_bytes):
+                key = digest(key + data[off : off + block_bytes])
+                append(key)
+        return keys
+
 
 def prompt_block_keys(token_ids, block_size: int = 16, *, salt=None, adapter_id=None,
                       hash_algo: str = "sha256", hash_seed: int = 0) -> list[bytes]:
@@ -142,7 +164,7 @@ def prompt_block_keys(token_ids, block_size: int = 16, *, salt=None, adapter_id=
     extra = extra_keys(salt=salt, adapter_id=adapter_id)
     size = block_size * TOKEN_BYTES
     keys, parent = [], hasher.root_key
-    for i in range(len(data) // size):
+    for i in range(len(data) // size):  # the plain definition, on purpose not chain()
         parent = hasher.key(parent, data[i * size : (i + 1) * size], extra if i == 0 else b"")
         keys.append(parent)
     return keys

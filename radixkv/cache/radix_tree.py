@@ -143,41 +143,40 @@ class RadixTree:
         calling sequence whose chain ends at `node`) into the tree; return the new chain end.
 
         A block identical to a cached child is deduplicated: the table switches to the cached
-        twin and the sequence's own copy is released at once.
+        twin and the sequence's own copy is released at once. From the first block with no
+        twin on, the rest of the call lands in one leaf (the sequence's own leaf, extended in
+        place, or a new child), since a node just grown by this call has no other children.
         """
-        bb, ref, tick, hasher = self.block_bytes, self.pool.ref, self.tick, self.hasher
-        ns = node.ns
-        parent_key = node.keys[-1] if node.blocks else hasher.root_key
-        stored: list = []  # (block index, key, parent key) of this call's new blocks, for events
-        for j in range(first, first + len(data) // bb):
-            tb = data[(j - first) * bb : (j - first + 1) * bb]
-            b = table[j]
-            twin = node.children.get(tb) if node.children else None
-            if twin is not None:
-                node = self._take_twin(twin, table, j)
-                parent_key = node.keys[-1]
-                continue
-            prev = parent_key
-            parent_key = hasher.digest(parent_key + tb + ns.extra) if j == 0 else hasher.digest(parent_key + tb)
-            assert self.node_of[b] is None and ref[b] >= 1, b
-            if node.parent is not None and not node.children and ref[node.blocks[-1]] == 1:
-                node.blocks.append(b)  # the sequence's own leaf: extend it
-                node.keys.append(parent_key)
-                node.tokens += tb
-            else:
-                child = Node(node, ns, next(self._uids), tick)
-                child.blocks.append(b)
-                child.keys.append(parent_key)
-                child.tokens = tb
-                node.children[tb] = child
-                node = child
-            node.last_use = tick
-            self.node_of[b] = node
-            stored.append((j, parent_key, prev))
-        self.num_cached += len(stored)
-        ns.cached_blocks += len(stored)
-        if self.events is not None and stored:
-            self._emit_stored(ns, stored, first, data)
+        bb = self.block_bytes
+        end = first + len(data) // bb
+        j = first
+        while j < end:
+            off = (j - first) * bb
+            twin = node.children.get(data[off : off + bb]) if node.children else None
+            if twin is None:
+                break
+            node = self._take_twin(twin, table, j)
+            j += 1
+        if j == end:
+            return node
+        ns, blocks, rest = node.ns, table[j:end], data[(j - first) * bb :]
+        parent_key = node.keys[-1] if node.blocks else self.hasher.root_key
+        keys = self.hasher.chain(parent_key, rest, bb, ns.extra if j == 0 else b"")
+        if node.parent is None or node.children or self.pool.ref[node.blocks[-1]] != 1:
+            child = Node(node, ns, next(self._uids), self.tick)
+            node.children[rest[:bb]] = child
+            node = child
+        node.blocks += blocks
+        node.keys += keys
+        node.tokens += rest
+        node.last_use = self.tick
+        node_of = self.node_of
+        for b in blocks:
+            node_of[b] = node
+        self.num_cached += len(blocks)
+        ns.cached_blocks += len(blocks)
+        if self.events is not None:
+            self.events.append(_stored(ns, keys, None if j == 0 else parent_key, rest, self.block_size))
         return node
 
     def release_chain(self, node: Node) -> None:
@@ -301,17 +300,6 @@ class RadixTree:
             self.pool.release(own)
         self.num_dedup += 1
         return twin
-
-    def _emit_stored(self, ns, stored, first, data) -> None:
-        bb = self.block_bytes
-        run_start = 0
-        for i in range(1, len(stored) + 1):
-            if i == len(stored) or stored[i][0] != stored[i - 1][0] + 1:
-                j0 = stored[run_start][0]
-                run = data[(j0 - first) * bb : (stored[i - 1][0] + 1 - first) * bb]
-                parent = None if j0 == 0 else stored[run_start][2]
-                self.events.append(_stored(ns, [k for _, k, _ in stored[run_start:i]], parent, run, self.block_size))
-                run_start = i
 
 
 def _stored(ns, keys, parent, data: bytes, block_size: int) -> BlockStored:
