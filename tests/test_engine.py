@@ -160,3 +160,17 @@ def test_engine_config_rejects_bad_values(tiny_llama_dir):
     ]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(model_dir=str(tiny_llama_dir), **kw)
+
+
+def test_triton_backend_in_interpreter_matches_torch_backend(tiny_llama_dir):
+    """The Triton kernels (store_kv, paged_attention, copy_blocks via n > 1) through the engine."""
+    prompts = [_prompt(7, seed=8), _prompt(13, seed=9)]
+    got = {}
+    for backend in ("triton", "torch"):
+        e = _engine(tiny_llama_dir, attention_backend=backend, max_prefill_chunk=5)
+        for i, p in enumerate(prompts):
+            e.add_request(f"r{i}", p, SamplingParams(n=2, seed=4, max_tokens=5))
+        out = _run(e)
+        got[backend] = [[c.token_ids for c in out[f"r{i}"].outputs] for i in range(2)]
+        assert e.cache.stats().copy_on_write_blocks > 0
+    assert got["triton"] == got["torch"]

@@ -13,15 +13,16 @@ from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.sequence import Request, Sequence, Status
 
 
-def _simulate(lengths, max_tokens, block_size, num_blocks, max_num_seqs, budget, chunk, policy="fcfs", seed=0):
+def _simulate(lengths, max_tokens, block_size, num_blocks, max_num_seqs, budget, chunk, policy="fcfs", seed=0,
+              defer=False, shared_len=12):
     """Drive the scheduler like the engine does (commit, sample a token, stop at max_tokens)."""
     rng = random.Random(seed)
     cache = KVCacheManager(num_blocks, block_size)
     sched = Scheduler(cache, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                      max_prefill_chunk=chunk, policy=policy)
+                      max_prefill_chunk=chunk, policy=policy, defer_shared_prefill=defer)
     tables = BlockTables(max_num_seqs, num_blocks, block_size)
     sched.on_free = lambda s: tables.release(s.seq_id)
-    shared = [rng.randrange(100) for _ in range(12)]
+    shared = [rng.randrange(100) for _ in range(shared_len)]
     seqs = []
     for i, (n, m) in enumerate(zip(lengths, max_tokens)):
         prompt = (shared + [rng.randrange(100) for _ in range(n)])[: max(1, n)]
@@ -31,6 +32,7 @@ def _simulate(lengths, max_tokens, block_size, num_blocks, max_num_seqs, budget,
         sched.add(seq)
         seqs.append(seq)
     finished_order, steps = [], 0
+    sched.computed = 0
     limit = 50 * sum(n + m for n, m in zip(lengths, max_tokens)) + 100
     while sched.has_unfinished():
         steps += 1
@@ -48,6 +50,7 @@ def _simulate(lengths, max_tokens, block_size, num_blocks, max_num_seqs, budget,
         for seq, n in out.scheduled:
             cache.mark_computed(seq.seq_id, n)
             seq.num_computed_tokens += n
+            sched.computed += n
             assert cache.num_computed_tokens(seq.seq_id) == seq.num_computed_tokens
             if seq.num_computed_tokens == seq.num_tokens:
                 tok = rng.randrange(100)
@@ -72,21 +75,32 @@ def _simulate(lengths, max_tokens, block_size, num_blocks, max_num_seqs, budget,
     budget_extra=st.integers(0, 20),
     chunk=st.integers(1, 16),
     policy=st.sampled_from(["fcfs", "lpm"]),
+    defer=st.booleans(),
 )
 def test_every_request_finishes_within_limits(data, block_size, extra_blocks, max_num_seqs, budget_extra, chunk,
-                                              policy):
+                                              policy, defer):
     lengths = [n for n, _ in data]
     max_tokens = [m for _, m in data]
     # the engine's up-front rule: every request fits the pool alone
     need = max(-(-(n + m) // block_size) for n, m in data)
     _simulate(lengths, max_tokens, block_size, need + extra_blocks, max_num_seqs, max_num_seqs + budget_extra,
-              chunk, policy)
+              chunk, policy, defer=defer)
 
 
 def test_small_pool_preempts_latest_and_keeps_fcfs():
     sched, order = _simulate([20] * 6, [10] * 6, block_size=4, num_blocks=20, max_num_seqs=6, budget=64, chunk=64)
     assert sched.num_preemptions > 0
     assert order == sorted(order)  # equal work: admission order is finishing order
+
+
+def test_deferring_shared_prompts_computes_the_prefix_once():
+    # 8 prompts of a 64-token shared prefix + 8 own tokens, a budget that admits them all at once
+    kw = dict(lengths=[72] * 8, max_tokens=[2] * 8, block_size=4, num_blocks=400, max_num_seqs=8, budget=1024,
+              chunk=1024, shared_len=64)
+    eager, _ = _simulate(**kw, defer=False)
+    deferred, _ = _simulate(**kw, defer=True)
+    assert deferred.computed == 64 + 8 * (8 + 1)  # the prefix once, then each own part and decode
+    assert eager.computed == 8 * (72 + 1)
 
 
 def test_chunked_prefill_mixes_with_decodes():

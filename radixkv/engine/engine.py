@@ -42,7 +42,8 @@ class Engine:
                                     enable_events=config.enable_cache_events)
         self.scheduler = Scheduler(self.cache, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_prefill_chunk=config.max_prefill_chunk, policy=config.scheduling_policy)
+                                   max_prefill_chunk=config.max_prefill_chunk, policy=config.scheduling_policy,
+                                   defer_shared_prefill=config.enable_prefix_caching)
         self.tables = BlockTables(config.max_num_seqs, -(-self.max_model_len // self.block_size), self.block_size)
         self.scheduler.on_free = lambda seq: self.tables.release(seq.seq_id)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -85,7 +86,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.scheduled:
-            self._run(sched.scheduled)
+            with torch.inference_mode():
+                self._run(sched.scheduled)
         outputs = [o for o in (self._output(r) for r in self._news.values()) if o is not None]
         self._news.clear()
         if not self.scheduler.has_unfinished() and not self._idle_checked:

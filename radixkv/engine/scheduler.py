@@ -6,6 +6,8 @@ prefill chunks and decodes share a step. When the pool has no block left for one
 the most recently admitted running sequence is preempted (its blocks freed, its tokens kept,
 recomputed later; committed blocks usually come back as cache hits). Waiting sequences are
 then admitted while the budget, the sequence limit and the pool allow, preempted ones first.
+With prefix caching, a waiting prompt whose first block a running sequence is still computing
+waits for that computation (then hits the cache) rather than computing the same blocks twice.
 
 No deadlock: a sequence alone always fits, because the engine rejects up front any request
 whose prompt + max_tokens exceeds the pool, and a sequence that cannot grow preempts others
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 from radixkv.engine.sequence import Sequence, Status
 
-LPM_WINDOW = 64  # waiting sequences the longest-prefix policy looks at per step
+WINDOW = 64  # waiting sequences looked at per step (beyond those skipped)
 
 
 @dataclass
@@ -31,13 +33,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk: int | None, policy: str = "fcfs"):
+                 max_prefill_chunk: int | None, policy: str = "fcfs", defer_shared_prefill: bool = False):
         self.cache = cache
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.policy = policy
+        self.defer_shared_prefill = defer_shared_prefill  # worth it only with prefix caching on
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -114,12 +117,21 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         hits = self._lpm_hits() if self.policy == "lpm" else None
-        while self.waiting and budget > 0:
-            idx = self._pick(hits)
+        heads = self._prefilling_heads() if self.defer_shared_prefill else None
+        skipped: set[int] = set()
+        while budget > 0:
+            idx = self._pick(hits, skipped)
+            if idx is None:
+                break
             seq = self.waiting[idx]
             if len(self.running) + self._pending_forks + 1 + seq.pending_forks > self.max_num_seqs:
                 break
             salt = seq.request.cache_salt
+            if heads is not None and not seq.preempted and self._computing_its_blocks(seq, heads):
+                # a running sequence is computing blocks this prompt shares: admitted a step
+                # or two later, it finds them cached instead of computing them again
+                skipped.add(id(seq))
+                continue
             # cheap check before add_sequence, which pins blocks and counts a prefix query
             hit = self.cache.peek_prefix(seq.token_ids, salt=salt)
             n = min(seq.num_tokens - hit, budget, self.max_prefill_chunk)
@@ -139,21 +151,47 @@ class Scheduler:
             self._pending_forks += seq.pending_forks
             out.scheduled.append((seq, n))
             budget -= n
+            if heads is not None:
+                self._note_computing(heads, seq, hit)
         return budget
 
+    def _note_computing(self, heads: dict, seq: Sequence, computed: int) -> None:
+        """Record that `seq` computes full prompt blocks from token `computed` on (block aligned)."""
+        B = self.block_size
+        if (seq.num_tokens - 1) // B > computed // B:  # a full block still to compute
+            key = (seq.request.cache_salt, tuple(seq.token_ids[:B]))
+            heads.setdefault(key, []).append((seq.token_ids, computed // B * B))
+
+    def _prefilling_heads(self) -> dict:
+        """First-block key -> (tokens, first uncomputed block start) of running prompts with full
+        blocks still to compute."""
+        heads: dict = {}
+        for s in self.running:
+            self._note_computing(heads, s, s.num_computed_tokens)
+        return heads
+
+    def _computing_its_blocks(self, seq: Sequence, heads: dict) -> bool:
+        B, toks = self.block_size, seq.token_ids
+        for other, start in heads.get((seq.request.cache_salt, tuple(toks[:B])), ()):
+            # sharing the first block R has not computed yet (both prompts go beyond it)
+            if len(toks) > start + B and toks[start : start + B] == other[start : start + B]:
+                return True
+        return False
+
     def _lpm_hits(self) -> dict[int, int]:
-        window = list(self.waiting)[:LPM_WINDOW]
+        window = list(self.waiting)[:WINDOW]
         return {id(s): self.cache.peek_prefix(s.token_ids, salt=s.request.cache_salt) for s in window}
 
-    def _pick(self, hits: dict[int, int] | None) -> int:
-        """Index in `waiting` of the next sequence to admit."""
-        head = self.waiting[0]
-        if hits is None or head.preempted:
-            return 0  # FCFS; preempted sequences always go first
-        best, best_hit = 0, -1
+    def _pick(self, hits: dict[int, int] | None, skipped: set[int]) -> int | None:
+        """Index in `waiting` of the next sequence to admit (None: none in the window)."""
+        best, best_hit = None, -1
         for idx, seq in enumerate(self.waiting):
-            if idx >= LPM_WINDOW:
+            if idx >= WINDOW + len(skipped):
                 break
+            if id(seq) in skipped:
+                continue
+            if hits is None or seq.preempted:
+                return idx  # FCFS; preempted sequences always go first
             h = hits.get(id(seq), 0)
             if h > best_hit:
                 best, best_hit = idx, h
