@@ -10,7 +10,7 @@ from radixkv.engine.sampling_params import SamplingParams
 
 
 def _engine(model_dir, **kw):
-    args = dict(block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=32)
+    args = dict(device="cpu", block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=32)
     args.update(kw)
     return Engine(EngineConfig(model_dir=str(model_dir), **args))
 

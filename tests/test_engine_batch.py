@@ -58,11 +58,11 @@ def test_generate_command(tiny_llama_dir, capsys):
     p = argparse.ArgumentParser()
     generate_cmd.add_arguments(p)
     args = p.parse_args([str(tiny_llama_dir), "--prompt", "Hello", "--prompt", "abc", "--max-tokens", "5",
-                         "--num-blocks", "64", "--json"])
+                         "--num-blocks", "64", "--device", "cpu", "--json"])
     assert generate_cmd.main(args) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
     assert len(lines) == 2 and '"finish_reason"' in lines[0]
-    bad = p.parse_args([str(tiny_llama_dir), "--prompt", "x", "--temperature", "-1"])
+    bad = p.parse_args([str(tiny_llama_dir), "--prompt", "x", "--temperature", "-1", "--device", "cpu"])
     assert generate_cmd.main(bad) == 2
     assert "temperature" in capsys.readouterr().err
 

@@ -260,3 +260,26 @@ def test_shared_prompt_workload(engine8b, num_requests):
             preemptions=m["preemptions"] - before["preemptions"], num_blocks=e.num_blocks)
     assert len(finished) == num_requests and produced == num_requests * 128
     assert cached >= (num_requests - 16) * 1024
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_tiny_greedy_equals_hf_on_gpu(tiny_llama_dir, enforce_eager):
+    """fp32 on the GPU (Triton kernels, CUDA graphs unless eager), small pool: preemption."""
+    from transformers import AutoModelForCausalLM
+
+    from radixkv.engine.llm import LLM
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in (3, 29, 11, 40, 17, 6)]
+    llm = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", enforce_eager=enforce_eager, block_size=4,
+              num_blocks=18, max_num_seqs=4, max_num_batched_tokens=12, max_prefill_chunk=5)
+    if not enforce_eager:
+        assert llm.engine.runner.graphs is not None
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), local_files_only=True, dtype=torch.float32)
+    hf = hf.to("cuda").eval()
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+               for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.engine.metrics()["preemptions"] > 0

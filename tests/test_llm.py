@@ -30,7 +30,7 @@ def _hf_greedy(model_dir, prompts, max_tokens=MAX_TOKENS):
 
 # a small pool (18 blocks of 4 tokens for ~6 x 30 tokens of work) forces preemption;
 # chunks of at most 5 prompt tokens per sequence per step force chunked prefill
-SMALL = dict(block_size=4, num_blocks=18, max_num_seqs=4, max_num_batched_tokens=12, max_prefill_chunk=5)
+SMALL = dict(device="cpu", block_size=4, num_blocks=18, max_num_seqs=4, max_num_batched_tokens=12, max_prefill_chunk=5)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
@@ -55,7 +55,7 @@ def test_prefix_cache_on_off_identical_and_hits_on_rerun(tiny_llama_dir):
     system = [rng.randrange(3, 2048) for _ in range(37)]
     prompts = [system + [rng.randrange(3, 2048) for _ in range(n)] for n in (5, 9, 2, 14)]
     params = SamplingParams(temperature=0.0, max_tokens=10)
-    cfg = dict(block_size=4, num_blocks=128, max_prefill_chunk=8)
+    cfg = dict(device="cpu", block_size=4, num_blocks=128, max_prefill_chunk=8)
     on = LLM(str(tiny_llama_dir), **cfg)
     off = LLM(str(tiny_llama_dir), enable_prefix_caching=False, **cfg)
     first = on.generate(prompts, params)
@@ -70,7 +70,7 @@ def test_prefix_cache_on_off_identical_and_hits_on_rerun(tiny_llama_dir):
 
 
 def test_text_prompts_and_logprobs(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), num_blocks=64)
+    llm = LLM(str(tiny_llama_dir), device="cpu", num_blocks=64)
     outs = llm.generate(["Hello there", "def f(x):"], SamplingParams(temperature=0.0, max_tokens=6, logprobs=2))
     for o in outs:
         c = o.outputs[0]
@@ -84,7 +84,7 @@ def test_text_prompts_and_logprobs(tiny_llama_dir):
 
 
 def test_generate_rejects_bad_prompt_and_adds_nothing(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), num_blocks=32, block_size=4)
+    llm = LLM(str(tiny_llama_dir), device="cpu", num_blocks=32, block_size=4)
     with pytest.raises(ValueError, match=r"prompts\[1\]: prompt_token_ids"):
         llm.generate([[5, 6, 7], [5, 99999]], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match=r"prompts\[0\]: prompt_token_ids: prompt of 200 tokens"):
