@@ -70,7 +70,7 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
         self.requests = Counter(
-            "radixkv_requests", "finished engine requests by finish reason",
+            "radixkv_requests", "finished choices (samples) by finish reason",
             ["finish_reason"], registry=self.registry,
         )
 
