@@ -9,7 +9,6 @@ import torch
 from kernels.runtime import next_pow2
 
 MAX_SPLITS = 64
-MIN_SPLIT_TOKENS = 512  # below this a split's fixed cost (partials + reduce) outweighs its gain
 
 
 @dataclass(frozen=True)
@@ -47,18 +46,25 @@ def num_sms(device: torch.device) -> int:
 @functools.lru_cache(maxsize=1024)  # a pure function of shapes, called every step
 def default_config(device, *, num_seqs, kv_heads, group, head_dim, max_seqlen_q, max_context,
                    is_decode, dtype=torch.bfloat16):
-    """is_decode: every query chunk is at most one token (max_seqlen_q == 1)."""
+    """Tile shapes from host-known sizes. is_decode: every query chunk is at most one token.
+
+    Measured on an H200 (benchmarks/kernels.py --sweep): decode with at least one program
+    (sequence x kv head) per SM streams at ~0.95 of the copy bandwidth unsplit; with fewer,
+    each program's chain of dependent loads sets the time, and splits of ~2 tiles each win.
+    """
     block_d = max(16, next_pow2(head_dim))
-    # fp32 (tests, exact IEEE dots) needs small tiles on the GPU or its registers spill.
-    fp32 = dtype == torch.float32
+    fp32 = dtype == torch.float32  # tests only: exact IEEE dots need small tiles or spill
     if is_decode:
         block_m = max(16, next_pow2(group))
-        block_n = 64 if device.type == "cuda" and not fp32 else 32
-        programs = max(1, num_seqs * kv_heads)
-        want = -(-4 * num_sms(device) // programs)  # aim for ~4 programs per SM
-        by_len = max(1, max_context // MIN_SPLIT_TOKENS)
-        splits = min(MAX_SPLITS, want, by_len)
-        splits = 1 if splits <= 1 else 1 << (splits.bit_length() - 1)  # round down to 2^k
+        tuned = device.type == "cuda" and not fp32
+        programs, sms = max(1, num_seqs * kv_heads), num_sms(device)
+        if programs >= sms:
+            splits = 1
+            block_n = (64 if programs >= 4 * sms else 128) if tuned else 32  # fewer: more bytes each
+        else:
+            block_n = 64 if tuned else 32
+            splits = min(MAX_SPLITS, -(-4 * sms // programs), max(1, max_context // (2 * block_n)))
+            splits = 1 << (splits.bit_length() - 1)  # round down to a power of two
         return AttentionConfig(block_m, block_n, num_warps=4, num_stages=2, num_splits=splits)
     if device.type != "cuda":
         return AttentionConfig(max(16, next_pow2(group)), 16, num_warps=4, num_stages=1)
@@ -66,4 +72,6 @@ def default_config(device, *, num_seqs, kv_heads, group, head_dim, max_seqlen_q,
         return AttentionConfig(max(32, next_pow2(group)), 32, num_warps=4, num_stages=2)
     if block_d > 128:
         return AttentionConfig(max(64, next_pow2(group)), 64, num_warps=8, num_stages=2)
+    if max_context <= 4096:  # short loops: two programs per SM hide each one's ramp
+        return AttentionConfig(max(128, next_pow2(group)), 64, num_warps=4, num_stages=3)
     return AttentionConfig(max(128, next_pow2(group)), 128, num_warps=8, num_stages=3)

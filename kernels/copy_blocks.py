@@ -36,7 +36,7 @@ def _copy_blocks_kernel(
 def copy_blocks(kv_cache, block_mapping):
     """kv_cache [L, 2, N, B, kv_heads, d]; block_mapping [n, 2] int64 rows (src, dst).
     Destinations must be distinct and no destination may be a source: the copies run
-    concurrently. A CPU mapping is moved to the cache's device without blocking."""
+    concurrently. A CPU mapping is checked on the host, then uploaded without blocking."""
     check_copy_blocks(kv_cache, block_mapping)
     if kv_cache.dtype == torch.float64:
         raise ValueError("kv_cache: float64 is reference-only; use kernels.reference.copy_blocks_ref")
@@ -44,7 +44,12 @@ def copy_blocks(kv_cache, block_mapping):
     n = block_mapping.shape[0]
     if n == 0:
         return
-    mapping = block_mapping.to(kv_cache.device, non_blocking=True).contiguous()
+    mapping = block_mapping.contiguous()
+    if mapping.device != kv_cache.device:
+        # Through pinned memory the upload is truly asynchronous: no wait on the GPU stream.
+        if mapping.device.type == "cpu" and kv_cache.device.type == "cuda":
+            mapping = mapping.pin_memory()
+        mapping = mapping.to(kv_cache.device, non_blocking=True)
     layers = kv_cache.shape[0]
     block_numel = kv_cache[0, 0, 0].numel()
     _copy_blocks_kernel[(n, layers * 2)](

@@ -70,16 +70,17 @@ def _attend_tile(acc, l_i, m_i, q, qk_scale, k_ptr, v_ptr, bt_row_ptr, start, hi
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale  # log2 units: qk_scale = scale * log2(e), applied in fp32
     if MASKED:
         ok = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Log2 units, qk_scale = scale * log2(e) > 0: scaling the row max equals the max of the
+    # scaled row, and the scale folds into one FMA with the max subtraction below.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASKED:  # a row with nothing visible yet keeps m = -inf; avoid (-inf) - (-inf)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_sub = m_new
-    p = tl.math.exp2(s - m_sub[:, None])
+    p = tl.math.exp2(s * qk_scale - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     if IEEE:

@@ -77,7 +77,7 @@ def test_default_config_splits_small_decode_batch():
     from kernels.attention_config import default_config
     cfg = default_config(case.q.device, num_seqs=2, kv_heads=1, group=2, head_dim=16,
                          max_seqlen_q=1, max_context=case.block_tables.shape[1] * 32, is_decode=True)
-    assert cfg.num_splits == 2
+    assert cfg.num_splits > 1
     run_and_check(case, torch.float32, what="default split")
 
 

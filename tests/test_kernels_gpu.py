@@ -82,6 +82,10 @@ def test_store_and_copy_real_shape():
     copy_blocks(cache, mapping)
     copy_blocks_ref(expect, mapping)
     assert torch.equal(cache, expect)
+    host_mapping = torch.stack([perm[200:210], perm[210:220]], 1).cpu()  # as the engine passes it
+    copy_blocks(cache, host_mapping)
+    copy_blocks_ref(expect, host_mapping)
+    assert torch.equal(cache, expect)
 
 
 def test_no_sync_and_cuda_graph_replay():
