@@ -32,8 +32,13 @@ merges the partials by lse; with config overlap=False the private kernel merges 
 No host sync: CUDA-graph capturable (the side stream forks from and joins the caller's)
 for fixed shapes and host ints.
 
-derive_groups works on the CPU tables (a tensor is fastest; lists of ids work) in well
-under a millisecond for 256 rows; groups stay valid while the batch's rows are the same.
+derive_groups runs on the CPU tables: ~0.7-0.9 ms for 256 rows x 136 blocks given a
+tensor (lists of ids cost ~2 ms more to convert). Groups stay valid as long as the batch
+holds the same rows in the same order (decode only appends private tokens), so they need
+recomputing only when the batch changes. When sharing pays, in measurements on an H200
+(benchmarks/results/shared_prefix.md): groups.saved_tokens >= ~64k per layer gave >= 1.3x
+over the plain paged kernel; a small batch (16 rows) was slower; with no groups call the
+plain kernel.
 """
 
 import contextlib
@@ -59,11 +64,12 @@ MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in partials than 
 
 @dataclass(frozen=True)
 class SharedPrefixConfig:
-    block_m: int = 64            # shared tile rows: members x q-per-kv, padded (power of 2, >= 16)
+    # Defaults: the fastest of a sweep on an H200 (benchmarks/results/shared_prefix.md).
+    block_m: int = 128           # shared tile rows: members x q-per-kv, padded (power of 2, >= 16)
     block_n: int = 64            # shared KV tokens per loop step (power of 2, >= 16)
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
-    shared_split_len: int = 0    # shared KV tokens per program; 0: enough splits to fill the GPU
+    shared_split_len: int = 1024  # shared KV tokens per program; 0: enough splits to fill the GPU
     private_block_n: int = 64    # private KV tokens per loop step
     private_split_len: int = 0   # private KV tokens per program; 0: split only small batches
     private_num_warps: int = 4

@@ -1,13 +1,14 @@
 """Find, from block tables, the batch rows that share leading runs of physical blocks.
 
 The radix tree gives sequences with a common cached prefix the same physical block ids,
-so sharing shows in the tables themselves. Column j of every table is keyed at once (one
-torch.unique over the batch x blocks matrix); a column group counts as shared only if
-all its rows also agree on column j - 1, which by induction means they agree on the
-whole prefix, so arbitrary tables can never produce a wrong group. Where the count of
-rows sharing a row's prefix drops, a node of the sharing tree ends. Python then walks
-only those node ends (a handful per row), never tokens or blocks.
-"""
+so sharing shows in the tables themselves: counting each block id over the whole batch
+(one bincount) tells how many rows share each entry. An id counts as shared only if all
+its occurrences sit at one column under one parent id, which by induction means its rows
+agree on the whole prefix, so arbitrary tables can never produce a wrong group. Where
+the count of rows sharing a row's prefix drops, a node of the sharing tree ends; the
+tree is walked level by level for all rows at once. No Python loop over tokens, blocks
+or rows; the work is a few dozen torch ops over the batch x blocks matrix plus arrays as
+long as the largest block id in use."""
 
 import torch
 
