@@ -37,12 +37,11 @@ H, KVH, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 DEV = "cuda"
 DEADLINE = float("inf")  # perf_counter() after which the sweep stops (set by --budget-s)
-_C = SharedPrefixConfig
-SWEEP = [_C(overlap=False), _C(block_m=128, num_warps=8), _C(shared_split_len=1024),
-         _C(shared_split_len=2048), _C(block_m=128, num_warps=8, shared_split_len=1024),
-         _C(block_m=128, block_n=128, num_warps=8, shared_split_len=1024), _C(block_n=128),
-         _C(num_stages=3), _C(private_block_n=32), _C(private_block_n=128),
-         _C(private_num_warps=2), _C(private_num_warps=8)]
+_C = SharedPrefixConfig  # variations around the defaults
+SWEEP = [_C(overlap=False), _C(block_m=64, num_warps=4), _C(shared_split_len=0),
+         _C(shared_split_len=512), _C(shared_split_len=2048), _C(block_n=128), _C(num_stages=3),
+         _C(private_block_n=32), _C(private_block_n=128), _C(private_num_warps=2),
+         _C(private_num_warps=8)]
 
 
 def timeit(fn) -> float:
@@ -104,11 +103,13 @@ def scenario(name, batch, level_tokens, fanout, private, *, gen, bw, max_levels=
     rows, lens, num_blocks = tree_tables(batch, level_tokens, fanout, private, random.Random(batch))
     tables = torch.tensor(rows, dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    t0 = time.perf_counter()
-    for _ in range(20):
+    runs = []
+    for _ in range(21):  # the first call warms up; median of the other 20
+        t0 = time.perf_counter()
         groups = derive_groups(tables, seq_lens, block_size=BS, min_shared_blocks=4,
                                max_levels=max_levels) if share else PrefixGroups.empty(batch)
-    derive_ms = (time.perf_counter() - t0) / 20 * 1e3
+        runs.append(time.perf_counter() - t0)
+    derive_ms = sorted(runs[1:])[10] * 1e3
     groups = groups.to(DEV)
     bt, sl = tables.to(DEV), seq_lens.to(DEV)
     kc = torch.randn(num_blocks, BS, KVH, D, device=DEV, dtype=DTYPE, generator=gen)
