@@ -30,7 +30,8 @@ program per (kv head, row), attends to the row's private part. They run side by 
 two streams (one is bound by tensor cores, the other by bandwidth) and a third launch
 merges the partials by lse; with config overlap=False the private kernel merges instead.
 No host sync: CUDA-graph capturable (the side stream forks from and joins the caller's)
-for fixed shapes and host ints.
+for fixed shapes and host ints; groups.padded(num_groups=, num_members=, num_levels=,
+max_members=, max_shared_len=) gives any batch's groups the shapes of a captured graph.
 
 derive_groups runs on the CPU tables: ~0.7-0.9 ms for 256 rows x 136 blocks given a
 tensor (lists of ids cost ~2 ms more to convert). Groups stay valid as long as the batch

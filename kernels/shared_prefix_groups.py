@@ -50,6 +50,39 @@ class PrefixGroups:
                           "private_start")}
         return replace(self, **move)
 
+    def padded(self, *, num_groups, num_members, num_levels, max_members=None,
+               max_shared_len=None) -> "PrefixGroups":
+        """The same sharing in fixed shapes, for a captured CUDA graph: extra groups hold no
+        tokens, extra member slots sit in the last extra group and no row names them, extra
+        levels are -1. Host bounds may only grow. Runs on the tensors' device, no sync."""
+        g, m, lv = self.num_groups, self.members.shape[0], self.num_levels
+        for name, v, lo in (("num_groups", num_groups, g), ("num_members", num_members, m),
+                            ("num_levels", num_levels, lv)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                _fail(name, f"expected an int >= {lo} (the current size), got {v!r}")
+        if num_members > m and num_groups == g:
+            _fail("num_groups", "padding member slots needs at least one extra (empty) group")
+        bounds = {"max_members": (max_members, max(self.max_members, num_members - m)),
+                  "max_shared_len": (max_shared_len, self.max_shared_len)}
+        for name, (v, lo) in bounds.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+                _fail(name, f"expected an int >= {lo}, got {v!r}")
+        dev, width = self.shared_lens.device, max(self.block_tables.shape[1], 1)
+        tab = torch.zeros((num_groups, width), dtype=_I32, device=dev)
+        tab[:g, :self.block_tables.shape[1]] = self.block_tables
+        lens = torch.zeros(num_groups, dtype=_I32, device=dev)
+        lens[:g] = self.shared_lens
+        cu = torch.full((num_groups + 1,), m, dtype=_I32, device=dev)
+        cu[:g + 1] = self.cu_members
+        cu[-1] = num_members
+        members = torch.zeros(num_members, dtype=_I32, device=dev)
+        members[:m] = self.members
+        slots = torch.full((self.batch, num_levels), -1, dtype=_I32, device=dev)
+        slots[:, :lv] = self.seq_slots
+        return replace(self, block_tables=tab, shared_lens=lens, cu_members=cu, members=members,
+                       seq_slots=slots, max_members=bounds["max_members"][0] or bounds["max_members"][1],
+                       max_shared_len=bounds["max_shared_len"][0] or bounds["max_shared_len"][1])
+
     @classmethod
     def empty(cls, batch: int, device="cpu") -> "PrefixGroups":
         """No sharing: every row is private from token 0."""
@@ -102,9 +135,12 @@ def check_groups(groups, *, batch, block_size, num_blocks, device, seq_lens=None
         _fail("groups.seq_slots", f"entries must lie in [-1, {mem.shape[0]})")
     rows, lvls = torch.nonzero(slots >= 0, as_tuple=True)
     hit = slots[rows, lvls].long()
-    if hit.numel() != mem.shape[0] or not torch.equal(mem[hit].long(), rows):
-        _fail("groups.seq_slots", "must name every member slot once, in the row that owns it")
+    named = torch.bincount(hit, minlength=mem.shape[0])
+    if (named.numel() and int(named.max()) > 1) or not torch.equal(mem[hit].long(), rows):
+        _fail("groups.seq_slots", "must name a member slot at most once, in the row it holds")
     slot_group = torch.repeat_interleave(torch.arange(n_groups), torch.tensor(sizes, dtype=torch.long))
+    if bool(((named == 0) & (lens[slot_group] > 0)).any()):  # padding may sit in empty groups
+        _fail("groups.seq_slots", "a member slot of a non-empty group is named by no row")
     covered = torch.zeros(batch, dtype=torch.long).index_add_(0, rows, lens[slot_group[hit]].long())
     if not torch.equal(covered, groups.private_start.long()):
         _fail("groups.private_start", "must equal the sum of the row's segment lengths")

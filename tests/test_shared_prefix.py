@@ -155,3 +155,28 @@ def test_bad_input_names_the_argument_and_writes_nothing():
         shared_prefix_decode(p.q, p.k_cache, p.v_cache, groups, p.block_tables, p.seq_lens,
                              scale=p.scale, out=out, config=SharedPrefixConfig(block_m=24))
     assert not out.any()
+
+
+def test_padded_groups_give_the_same_result():
+    # Fixed shapes for a captured graph: extra empty groups, unnamed slots, extra levels.
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    while True:
+        rows, lens = random_forest(rng, block_size=4, num_blocks=60, max_rows=7)
+        groups = derive_groups(rows, lens, block_size=4, min_shared_blocks=1)
+        if groups.num_groups:
+            break
+    p = make_problem(rows, lens, block_size=4, num_blocks=60, kv_heads=2, qpk=2, head_dim=16,
+                     dtype=torch.float32, device=DEVICE, seed=seed)
+    g, m, lv = groups.num_groups, groups.members.shape[0], groups.num_levels
+    padded = groups.to(DEVICE).padded(num_groups=g + 2, num_members=m + 5, num_levels=lv + 1,
+                                      max_members=groups.max_members + 9,
+                                      max_shared_len=groups.max_shared_len + 40)
+    assert padded.cu_members.tolist()[-3:] == [m, m, m + 5] and padded.num_levels == lv + 1
+    run_both(p, padded, TOL32, SMALL)
+    with pytest.raises(ValueError, match="^num_groups"):
+        groups.padded(num_groups=g - 1, num_members=m, num_levels=lv)
+    with pytest.raises(ValueError, match="^num_groups"):
+        groups.padded(num_groups=g, num_members=m + 1, num_levels=lv)
+    with pytest.raises(ValueError, match="^max_members"):
+        groups.padded(num_groups=g + 1, num_members=m + 1, num_levels=lv, max_members=0)
