@@ -119,8 +119,9 @@ def _splits(length, fixed, tile, programs, sms):
 
 def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *, scale, out=None,
                          max_private_len=None, config=None):
-    """See the module docstring. max_private_len: host bound on seq_lens - private_start
-    (picks the private split; default: the table's capacity)."""
+    """See the module docstring. max_private_len: host hint of the longest private part
+    (seq_lens - private_start) that sizes the private split; default: the table's capacity.
+    A hint that falls short stays correct (the last split runs to the end), only slower."""
     check_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, scale, out)
     cfg = config or SharedPrefixConfig()
     if not isinstance(cfg, SharedPrefixConfig):
@@ -170,6 +171,9 @@ def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *,
                 TILES=tiles, QPK=qpk, TILE_MEMBERS=tile_members, BLOCK_M=block_m,
                 BLOCK_N=cfg.block_n, BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
                 DOT=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if max_private_len is not None and (isinstance(max_private_len, bool)
+                                        or not isinstance(max_private_len, int) or max_private_len < 1):
+        raise ValueError(f"max_private_len: expected a positive int, got {max_private_len!r}")
     bound = block_tables.shape[1] * block_size if max_private_len is None else max_private_len
     p_splits, p_len = _splits(max(bound, 1), cfg.private_split_len, cfg.private_block_n,
                               batch * kv_heads, sms)

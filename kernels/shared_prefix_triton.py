@@ -88,7 +88,9 @@ def _shared_kernel(
     q = tl.load(q_ptr + seq[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
     start = split * split_len
-    end = tl.minimum(start + split_len, tl.load(g_len_ptr + g))
+    g_len = tl.load(g_len_ptr + g)
+    # The last split runs to the end: a host bound that fell short costs balance, not tokens.
+    end = tl.where(split == tl.num_programs(2) - 1, g_len, tl.minimum(start + split_len, g_len))
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -145,7 +147,8 @@ def _private_kernel(
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
     start = tl.load(pstart_ptr + b) + split * split_len
-    end = tl.minimum(start + split_len, tl.load(lens_ptr + b))
+    seq_len = tl.load(lens_ptr + b)
+    end = tl.where(split == tl.num_programs(2) - 1, seq_len, tl.minimum(start + split_len, seq_len))
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)

@@ -180,3 +180,27 @@ def test_padded_groups_give_the_same_result():
         groups.padded(num_groups=g, num_members=m + 1, num_levels=lv)
     with pytest.raises(ValueError, match="^max_members"):
         groups.padded(num_groups=g + 1, num_members=m + 1, num_levels=lv, max_members=0)
+
+
+def test_short_hints_stay_correct():
+    # Private parts of ~40 tokens under a 20-token hint in 16-token splits; a shared length
+    # bound below the real one. The last split of each runs to the end.
+    seed = fresh_seed()
+    rows = [[0, 1, 2, 3] + list(range(10 + 11 * i, 21 + 11 * i)) for i in range(3)]
+    p = make_problem(rows, [58, 60, 57], block_size=4, num_blocks=60, kv_heads=2, qpk=2,
+                     head_dim=16, dtype=torch.float32, device=DEVICE, seed=seed)
+    groups = derive_groups(p.block_tables.cpu(), p.seq_lens.cpu(), block_size=4,
+                           min_shared_blocks=1, device=DEVICE)
+    short = replace(groups, max_shared_len=8)  # passes on a device, where nothing is checked
+    cfg = replace(SMALL, shared_split_len=4, private_split_len=16)
+    out = poisoned_out(p.q)
+    shared_prefix_decode(p.q, p.k_cache, p.v_cache, short if DEVICE != "cpu" else groups,
+                         p.block_tables, p.seq_lens, scale=p.scale, out=out, config=cfg,
+                         max_private_len=20)
+    assert_close(out, plain(p), TOL32, seed, "short hints")
+    with pytest.raises(ValueError, match="^groups.max_shared_len|^groups.shared_lens"):
+        shared_prefix_decode(p.q.cpu(), p.k_cache.cpu(), p.v_cache.cpu(), replace(groups.to("cpu"),
+                             max_shared_len=8), p.block_tables.cpu(), p.seq_lens.cpu(), scale=p.scale)
+    with pytest.raises(ValueError, match="^max_private_len"):
+        shared_prefix_decode(p.q, p.k_cache, p.v_cache, groups, p.block_tables, p.seq_lens,
+                             scale=p.scale, max_private_len=0)
