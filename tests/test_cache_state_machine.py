@@ -343,11 +343,11 @@ class NoPrefixCachingMachine(CacheMachine):
     prefix_caching = False
 
 
-_settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
+_settings = settings(max_examples=400, stateful_step_count=50, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestCacheMachineSha256 = CacheMachine.TestCase
 TestCacheMachineSha256.settings = _settings
 TestCacheMachineXXH3 = XXHashMachine.TestCase
-TestCacheMachineXXH3.settings = settings(_settings, max_examples=60)
+TestCacheMachineXXH3.settings = settings(_settings, max_examples=200)
 TestCacheMachineNoPrefixCaching = NoPrefixCachingMachine.TestCase
-TestCacheMachineNoPrefixCaching.settings = settings(_settings, max_examples=40)
+TestCacheMachineNoPrefixCaching.settings = settings(_settings, max_examples=100)
