@@ -79,6 +79,9 @@ def roofline(cfg: dict, prompts, output_len: int, hw: dict, shared: int) -> dict
     n = len(prompts)
     prefill_tokens = shared + sum(len(p) - shared for p in prompts)
     prefill_flops = 2 * L * layer_params * prefill_tokens + 2 * v * h * n
+    # attention: QK^T and PV over the context each new token sees (causal inside a prompt)
+    nq = cfg["num_attention_heads"]
+    prefill_flops += 4 * L * nq * d * (shared * shared / 2 + sum((len(p) - shared) * (len(p) + shared) / 2 for p in prompts))
     prefill_s = prefill_flops / hw["matmul_flops_per_s"]
     every, once = 0.0, 0.0
     plen = len(prompts[0])

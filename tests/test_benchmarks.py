@@ -68,3 +68,15 @@ def test_one_copy_of_the_shared_system_prompt():
     w = wl.generated_shared_prefix(groups=1, per_group=12, system_len=160, question_len=20, output_len=30, seed=0)
     r = measure(w, 16)
     assert r.peak_paged_blocks - r.peak_shared_blocks == 11 * 10
+
+
+def test_throughput_roofline_matches_the_design_figures():
+    # DESIGN section 7: 256 x (1,024 shared + 128) prompts, 128 outputs, Llama-3-8B shape, at
+    # 760 TFLOP/s and 4.27 TB/s: ~2.4 s when every sequence reads the prefix, ~1.4 s when it is read once.
+    from benchmarks.throughput import LLAMA3_8B, make_requests, roofline
+
+    r = roofline(LLAMA3_8B, make_requests(256, 1024, 128, 128256, 0), 128,
+                 {"copy_bytes_per_s": 4.27e12, "matmul_flops_per_s": 760e12}, 1024)
+    assert r["prefill_tokens"] == 1024 + 256 * 128
+    assert 2.4 * 0.9 < r["floor_s"] < 2.4 * 1.1
+    assert 1.4 * 0.85 < r["floor_shared_once_s"] < 1.4 * 1.1
