@@ -150,8 +150,9 @@ class Engine:
             self.counters["requests_finished"] += 1
             self.counters["cached_prompt_tokens"] += req.num_cached_tokens or 0
         p = req.params
-        seqs = sorted(req.seqs, key=lambda s: s.index)
-        if p.num_samples > p.n:  # best_of: only the n best, and only at the end
+        seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.index)
+        best_of = p.num_samples > p.n
+        if best_of:  # only the n best, and only at the end
             if not finished:
                 return None
             if not req.aborted:
@@ -161,11 +162,11 @@ class Engine:
                 s.num_emitted = 0
         completions = []
         for rank, s in enumerate(seqs):
-            new = s.output_token_ids[s.num_emitted :]
+            out_ids = s.token_ids[s.num_prompt_tokens :]
+            new = out_ids[s.num_emitted :]
             lps = s.logprobs[s.num_emitted :] if p.logprobs is not None else None
-            s.num_emitted = s.num_output_tokens
-            index = rank if p.num_samples > p.n else s.index
-            completions.append(CompletionOutput(index, new, s.output_token_ids, lps, s.finish_reason,
+            s.num_emitted = len(out_ids)
+            completions.append(CompletionOutput(rank if best_of else s.index, new, out_ids, lps, s.finish_reason,
                                                 s.cumulative_logprob))
         return RequestOutput(req.request_id, completions, req.prompt_token_ids, req.num_cached_tokens or 0, finished)
 
