@@ -19,7 +19,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # KV pool size; None: sized from memory
     gpu_memory_utilization: float = 0.9  # share of the card the engine may fill (weights + activations + KV)
-    cpu_kv_cache_gib: float = 1.0  # KV pool size on cpu when num_blocks is None
+    cpu_kv_cache_gib: float = 0.25  # KV pool size on cpu when num_blocks is None
     max_model_len: int | None = None  # None: the model's (and at most what the pool holds)
     max_num_seqs: int = 256  # running sequences at once
     max_num_batched_tokens: int = 8192  # tokens per step (prefill chunks + decodes)
