@@ -1,5 +1,6 @@
-"""Random add / append / reserve / compute / fork / free / reset sequences against the cache
-manager, with a simulated KV memory and a reference model of which prefixes must hit.
+"""Random add / append / reserve / compute / fork / free / evict / reset sequences against
+the cache manager (plus engine-like combinations of them, and the races around pending
+copy ops), with a simulated KV memory and a reference model of which prefixes must hit.
 
 - KV memory: every slot holds what was written into it: (namespace, token prefix). Copy ops
   are taken and applied before each write, as a model runner would. After every step
@@ -17,12 +18,12 @@ from array import array
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule
 
 from radixkv.cache import KVCacheManager
 
 B = 2
-SALTS = (None, "tenant-a", b"tenant-b")
+SALTS = (None, "tenant-a", b"tenant-b")  # b"pressure" is the eviction rule's own tenant
 # A tiny vocabulary and a few shared stems make hits, splits and duplicate blocks common.
 STEMS = ((), (1, 2, 3, 4), (1, 2, 3, 5, 6, 7), (2, 2, 2, 2, 2, 2, 2, 2))
 tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=7)
@@ -40,7 +41,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.kv = [[None] * B for _ in range(num_blocks)]
         self.live = {}  # sid -> (tokens, ns)
         self.reserved = {}  # sid -> slots it may write: the reference of what reserve_slots granted
-        self.committed = {self._ns(s): set() for s in SALTS}  # block-aligned prefixes committed since reset
+        self.committed = {self._ns(s): set() for s in SALTS + (b"pressure",)}  # block-aligned prefixes since reset
         self.next_id = 0
         self.evicted_at_reset = 0
 
@@ -137,6 +138,17 @@ class CacheMachine(RuleBasedStateMachine):
         child = self.fork_after_reserve(parent, tok, ahead)
         self.free(parent)
         return child
+
+    @rule(extra=st.integers(1, 4))
+    def evict(self, extra):
+        """Memory pressure: a newcomer reserves every free block and `extra` more, so that
+        cached blocks are evicted (the manager evicts only inside reservations)."""
+        before = self.m.stats()
+        sid = self.add(STEMS[0], [3], b"pressure")
+        want = min(before.free_blocks + extra, self.m.num_available_blocks)
+        if self._reserve(sid, want * B) == 0 and self.prefix_caching:
+            assert self.m.stats().evicted_blocks - before.evicted_blocks == want - before.free_blocks
+        self.free(sid)
 
     @rule(parent=seqs, tok=st.integers(0, 3))
     def abort_after_reserve(self, parent, tok):
@@ -266,7 +278,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert ok == (not referenced)
         if ok:
             assert self.m.stats().cached_blocks == 0
-            self.committed = {self._ns(s): set() for s in SALTS}
+            self.committed = {self._ns(s): set() for s in SALTS + (b"pressure",)}
             self.evicted_at_reset = self.m.stats().evicted_blocks
         else:
             assert self._snapshot() == snap
@@ -307,7 +319,6 @@ class CacheMachine(RuleBasedStateMachine):
                 b = copies.get(b, b)  # a pending copy's destination will hold its source's bytes
                 assert self.kv[b][i % B] == (ns, tuple(toks[: i + 1])), f"seq {sid} token {i} block {b}"
 
-
     @invariant()
     def cached_contents(self):
         """Every block in the tree holds the KV of the tokens it is filed under."""
@@ -330,9 +341,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 def consumes_nothing():
-    from hypothesis.stateful import multiple
-
-    return multiple()
+    return multiple()  # a rule with a target that produced no sequence
 
 
 class XXHashMachine(CacheMachine):

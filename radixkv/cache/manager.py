@@ -1,44 +1,13 @@
 """KVCacheManager: the façade an engine drives (see docs/embedding.md for the rules)."""
 
 from array import array
-from dataclasses import dataclass
 
 from .block_pool import BlockPool
 from .hashing import TOKEN_TYPECODE, BlockHasher, adapter_bytes, extra_keys, le_bytes, normalize_salt, tokens_to_array
 from .invariants import check_manager
-from .radix_tree import Node, RadixTree
-from .stats import CacheStats, SaltUsage
-
-
-@dataclass(slots=True, eq=False)
-class Namespace:
-    """One (salt, adapter) pair: its own root, so different tenants never share a node."""
-
-    salt: bytes | None
-    adapter_id: int | str | None
-    label: object  # the salt as first given, for per-salt stats
-    extra: bytes  # extra keys of the first block
-    root: Node = None
-    cached_blocks: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class Sequence:
-    tokens: array  # every known token id: prompt, then appended ones
-    table: list[int]  # logical block -> physical block
-    ns: Namespace
-    node: Node  # end of the chain of committed blocks (the namespace root if none)
-    num_computed: int
-    num_committed: int  # table[:num_committed] are in the tree, in chain order
-    num_reserved: int  # slots [0, num_reserved) may be written (reserve_slots granted them)
-
-
-def _count(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
+from .radix_tree import RadixTree
+from .sequence import Namespace, Sequence, count_arg
+from .stats import CacheStats, build_stats
 
 
 class KVCacheManager:
@@ -103,14 +72,14 @@ class KVCacheManager:
     def num_blocks_needed(self, seq_id, num_tokens: int) -> int:
         """New blocks reserve_slots(seq_id, num_tokens) would take, copy-on-write included."""
         seq = self._seq(seq_id)
-        new, cow = self._plan(seq, _count(num_tokens, "num_tokens"))
+        new, cow = self._plan(seq, count_arg(num_tokens, "num_tokens"))
         return new + (cow >= 0)
 
     def reserve_slots(self, seq_id, num_tokens: int) -> int:
         """Slots for tokens [computed, computed + num_tokens). All or nothing: returns 0 when
         done, else how many blocks are missing (and nothing changed)."""
         seq = self._seq(seq_id)
-        new, cow = self._plan(seq, _count(num_tokens, "num_tokens"))
+        new, cow = self._plan(seq, count_arg(num_tokens, "num_tokens"))
         need = new + (cow >= 0)
         if need == 0:
             seq.num_reserved = max(seq.num_reserved, seq.num_computed + num_tokens)
@@ -137,7 +106,7 @@ class KVCacheManager:
         """KV of the next num_tokens tokens is written. Full blocks enter the tree (a block
         identical to a cached one switches the table entry to the cached twin)."""
         seq = self._seq(seq_id)
-        end = seq.num_computed + _count(num_tokens, "num_tokens")
+        end = seq.num_computed + count_arg(num_tokens, "num_tokens")
         if end > len(seq.tokens):
             raise ValueError(f"num_tokens={num_tokens}: only {len(seq.tokens) - seq.num_computed} "
                              f"known tokens of {seq_id!r} are not computed yet (append_tokens first)")
@@ -238,29 +207,7 @@ class KVCacheManager:
         return n
 
     def stats(self) -> CacheStats:
-        B, pool, tree = self.block_size, self.pool, self.tree
-        tokens = slots = 0
-        for seq in self._seqs.values():
-            held = len(seq.table) * B
-            slots += held
-            tokens += min(len(seq.tokens), held)
-        per_salt: dict = {}
-        live: dict = {}
-        for seq in self._seqs.values():
-            live[seq.ns.label] = live.get(seq.ns.label, 0) + 1
-        for ns in self._namespaces.values():
-            u = per_salt.get(ns.label, SaltUsage(0, 0, 0, 0))
-            per_salt[ns.label] = SaltUsage(u.cached_blocks + ns.cached_blocks, live.get(ns.label, 0),
-                                           u.prefix_query_tokens + ns.query_tokens, u.prefix_hit_tokens + ns.hit_tokens)
-        return CacheStats(
-            num_blocks=pool.num_blocks, block_size=B, free_blocks=pool.num_free,
-            evictable_blocks=tree.num_evictable,
-            in_use_blocks=pool.num_blocks - pool.num_free - tree.num_evictable,
-            cached_blocks=tree.num_cached, num_sequences=len(self._seqs),
-            slot_utilization=tokens / slots if slots else 1.0, last_block_slack=slots - tokens,
-            prefix_query_tokens=self.prefix_query_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
-            evicted_blocks=tree.num_evicted, deduplicated_blocks=tree.num_dedup,
-            copy_on_write_blocks=self.copy_on_write_blocks, per_salt=per_salt)
+        return build_stats(self)
 
     def take_events(self) -> list:
         """BlockStored / BlockRemoved events since the last call ([] unless enable_events)."""

@@ -13,15 +13,13 @@ An evictable leaf is a childless node whose last block is unreferenced; eviction
 blocks from the tail of the least recently used one, so a chain never loses its middle.
 """
 
-import sys
-from array import array
 from itertools import count
 
 from sortedcontainers import SortedList
 
 from .block_pool import BlockPool
-from .hashing import TOKEN_BYTES, TOKEN_TYPECODE, BlockHasher
-from .stats import BlockRemoved, BlockStored
+from .hashing import TOKEN_BYTES, BlockHasher
+from .stats import BlockRemoved, stored_event
 
 
 class Node:
@@ -176,7 +174,7 @@ class RadixTree:
         self.num_cached += len(blocks)
         ns.cached_blocks += len(blocks)
         if self.events is not None:
-            self.events.append(_stored(ns, keys, None if j == 0 else parent_key, rest, self.block_size))
+            self.events.append(stored_event(ns, keys, None if j == 0 else parent_key, rest, self.block_size))
         return node
 
     def release_chain(self, node: Node) -> None:
@@ -233,7 +231,7 @@ class RadixTree:
             else:
                 self.leaf_check(node)
         if removed_keys:
-            self.events.append(_removed(removed_keys))
+            self.events.append(BlockRemoved(tuple(removed_keys)))
 
     def reset(self, roots) -> None:
         """Drop every cached block (the caller checked that none is referenced)."""
@@ -252,7 +250,7 @@ class RadixTree:
         self.lru.clear()
         self.num_cached = self.num_evictable = 0
         if self.events is not None and keys:
-            self.events.append(_removed(keys))
+            self.events.append(BlockRemoved(tuple(keys)))
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -300,15 +298,3 @@ class RadixTree:
             self.pool.release(own)
         self.num_dedup += 1
         return twin
-
-
-def _stored(ns, keys, parent, data: bytes, block_size: int) -> BlockStored:
-    toks = array(TOKEN_TYPECODE)
-    toks.frombytes(data)
-    if sys.byteorder == "big":
-        toks.byteswap()
-    return BlockStored(tuple(keys), parent, tuple(toks), block_size, ns.salt, ns.adapter_id)
-
-
-def _removed(keys) -> BlockRemoved:
-    return BlockRemoved(tuple(keys))

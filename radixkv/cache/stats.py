@@ -1,6 +1,10 @@
 """Accounting snapshot and block events of the cache manager."""
 
+import sys
+from array import array
 from dataclasses import dataclass, field
+
+from .hashing import TOKEN_TYPECODE
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,3 +64,35 @@ class BlockRemoved:
     """Blocks left the tree (evicted, or the prefix cache was reset)."""
 
     block_keys: tuple
+
+
+def build_stats(m) -> CacheStats:
+    """Snapshot of a KVCacheManager; O(live sequences + namespaces)."""
+    B, pool, tree = m.block_size, m.pool, m.tree
+    tokens = slots = 0
+    live: dict = {}
+    for seq in m._seqs.values():
+        held = len(seq.table) * B
+        slots += held
+        tokens += min(len(seq.tokens), held)
+        live[seq.ns.label] = live.get(seq.ns.label, 0) + 1
+    per_salt: dict = {}
+    for ns in m._namespaces.values():  # one salt may have several adapters: add them up
+        u = per_salt.get(ns.label, SaltUsage(0, 0, 0, 0))
+        per_salt[ns.label] = SaltUsage(u.cached_blocks + ns.cached_blocks, live.get(ns.label, 0),
+                                       u.prefix_query_tokens + ns.query_tokens, u.prefix_hit_tokens + ns.hit_tokens)
+    return CacheStats(
+        num_blocks=pool.num_blocks, block_size=B, free_blocks=pool.num_free, evictable_blocks=tree.num_evictable,
+        in_use_blocks=pool.num_blocks - pool.num_free - tree.num_evictable, cached_blocks=tree.num_cached,
+        num_sequences=len(m._seqs), slot_utilization=tokens / slots if slots else 1.0, last_block_slack=slots - tokens,
+        prefix_query_tokens=m.prefix_query_tokens, prefix_hit_tokens=m.prefix_hit_tokens,
+        evicted_blocks=tree.num_evicted, deduplicated_blocks=tree.num_dedup,
+        copy_on_write_blocks=m.copy_on_write_blocks, per_salt=per_salt)
+
+
+def stored_event(ns, keys, parent_key, data: bytes, block_size: int) -> BlockStored:
+    toks = array(TOKEN_TYPECODE)
+    toks.frombytes(data)
+    if sys.byteorder == "big":
+        toks.byteswap()
+    return BlockStored(tuple(keys), parent_key, tuple(toks), block_size, ns.salt, ns.adapter_id)
