@@ -77,7 +77,7 @@ def main(args) -> int:
         _wait_healthy(proc, url)
         client = OpenAI(base_url=url + "/v1", api_key="unused")
         model = client.models.list().data[0].id
-        print(f"\nserving {model} at {url}; {len(QUESTIONS)} chats share a system prompt\n")
+        print(f"\n{len(QUESTIONS)} chats share a system prompt (random weights: the answers are noise)\n")
         for q in QUESTIONS:
             r = client.chat.completions.create(
                 model=model,
@@ -91,9 +91,16 @@ def main(args) -> int:
             print(f"   prompt {r.usage.prompt_tokens} tokens, {cached} from the prefix cache\n")
         metrics = httpx.get(url + "/metrics", timeout=10).text
         print("prefix cache and blocks (/metrics):")
+        values = {}
         for line in metrics.splitlines():
-            if line.startswith(METRIC_PREFIXES) and not line.startswith("#"):
+            if line.startswith(METRIC_PREFIXES):
                 print("  " + line)
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        queries = values.get("radixkv_prefix_cache_queries_tokens_total", 0.0)
+        hits = values.get("radixkv_prefix_cache_hits_tokens_total", 0.0)
+        if queries:
+            print(f"prefix-cache hit rate: {hits / queries:.1%} of prompt tokens ({hits:.0f} / {queries:.0f})")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
