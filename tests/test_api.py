@@ -14,8 +14,11 @@ LONG_PROMPT = " ".join(f"entry {i} of the ledger reads {i * 31 % 97} coins;" for
 def server(tiny_llama_dir, tmp_path_factory):
     srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("api"), "--api-key", KEY_A, "--api-key", KEY_B,
                        "--served-model-name", "tiny", "--max-num-seqs", "8", "--max-num-batched-tokens", "512")
-    yield srv
-    assert_clean_exit(srv, srv.stop())
+    try:
+        yield srv
+        assert_clean_exit(srv, srv.stop())
+    finally:
+        srv.kill()
 
 
 @pytest.fixture(scope="module")

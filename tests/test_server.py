@@ -18,8 +18,11 @@ LONG_PROMPT = " ".join(f"item {i} is the {i * 7 % 13}th colour of the rainbow;" 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("srv"))
-    yield srv
-    assert_clean_exit(srv, srv.stop())
+    try:
+        yield srv
+        assert_clean_exit(srv, srv.stop())
+    finally:
+        srv.kill()
 
 
 @pytest.fixture(scope="module")

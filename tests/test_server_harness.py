@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 import psutil
+import pytest
 
 NUM_BLOCKS = 96  # x 16 = 1,536 tokens: the context limit of the tiny server
 BLOCK_SIZE = 16
@@ -54,6 +55,30 @@ class Server:
             self.proc.kill()
             self.proc.wait()
             raise AssertionError(f"server ignored {sig!r} for {timeout} s; log:\n{self.log()}")
+
+
+    def kill(self) -> None:
+        """Leave nothing running, whatever state a failed test left the server in."""
+        for pid in (self.proc.pid, self.worker_pid):
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+
+
+@pytest.fixture
+def server_factory(tmp_path):
+    """start(model_dir, *extra_args) -> Server; whatever is still running at teardown is killed."""
+    started = []
+
+    def start(model_dir, *extra):
+        started.append(start_server(model_dir, tmp_path, *extra))
+        return started[-1]
+
+    yield start
+    for srv in started:
+        srv.kill()
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -97,21 +122,29 @@ def start_server(model_dir, tmp_path, *extra, timeout: float = 120.0) -> Server:
     return Server(proc, url, str(model_dir), worker.pid, ipc_dir, log_path)
 
 
+def process_gone(pid: int) -> bool:
+    """Exited (a zombie waiting for its reaper counts as exited)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def assert_clean_exit(server: Server, code: int, expected_code: int = 0) -> None:
     """Exit code as expected, no child process left, no ipc files left."""
     assert code == expected_code, f"exit code {code}; log:\n{server.log()}"
-    assert not psutil.pid_exists(server.worker_pid) or psutil.Process(server.worker_pid).status() == "zombie"
+    assert process_gone(server.worker_pid), f"worker {server.worker_pid} still running"
     assert not os.path.exists(server.ipc_dir), os.listdir(server.ipc_dir)
 
 
-def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1):
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s (last value {value!r})")
+            raise AssertionError(f"{what} not met within {timeout} s (last value {value!r})")
         time.sleep(interval)
 
 
@@ -122,7 +155,5 @@ def test_parse_metrics_reads_names_labels_and_values():
 
 
 def test_wait_for_times_out():
-    import pytest
-
     with pytest.raises(AssertionError, match="not met"):
         wait_for(lambda: 0, timeout=0.2)

@@ -10,24 +10,23 @@ import time
 
 import httpx
 import psutil
-import pytest
-from test_server_harness import assert_clean_exit, start_server, wait_for
+from test_server_harness import assert_clean_exit, process_gone, server_factory, wait_for  # noqa: F401 (fixture)
 
 # With the harness pool (96 blocks x 16), one such request needs ~94 blocks: they run one
 # at a time and stay in flight for seconds.
 LONG = {"prompt": "go", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
 
 
-def test_sigterm_stops_front_and_worker(tiny_llama_dir, tmp_path):
-    srv = start_server(tiny_llama_dir, tmp_path)
+def test_sigterm_stops_front_and_worker(tiny_llama_dir, server_factory):
+    srv = server_factory(tiny_llama_dir)
     r = httpx.post(srv.api + "/completions", json={"model": srv.model, "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
     assert "KV pool: 96 blocks x 16 tokens = 1536 tokens" in srv.log()
     assert_clean_exit(srv, srv.stop(signal.SIGTERM))
 
 
-def test_sigint_during_a_stream_stops_front_and_worker(tiny_llama_dir, tmp_path):
-    srv = start_server(tiny_llama_dir, tmp_path)
+def test_sigint_during_a_stream_stops_front_and_worker(tiny_llama_dir, server_factory):
+    srv = server_factory(tiny_llama_dir)
     body = {"model": srv.model, **LONG, "stream": True}
     with httpx.stream("POST", srv.api + "/completions", json=body, timeout=60) as r:
         next(r.iter_lines())
@@ -54,8 +53,8 @@ def _post_in_thread(url, body, results, key):
     return t
 
 
-def test_dead_worker_fails_requests_with_503_and_the_server_exits(tiny_llama_dir, tmp_path):
-    srv = start_server(tiny_llama_dir, tmp_path)
+def test_dead_worker_fails_requests_with_503_and_the_server_exits(tiny_llama_dir, server_factory):
+    srv = server_factory(tiny_llama_dir)
     url = srv.api + "/completions"
     results: dict = {}
     threads = [_post_in_thread(url, {"model": srv.model, **LONG}, results, i) for i in range(3)]
@@ -85,8 +84,8 @@ def test_dead_worker_fails_requests_with_503_and_the_server_exits(tiny_llama_dir
     assert_clean_exit(srv, code, expected_code=1)
 
 
-def test_restart_worker_brings_the_engine_back(tiny_llama_dir, tmp_path):
-    srv = start_server(tiny_llama_dir, tmp_path, "--restart-worker")
+def test_restart_worker_brings_the_engine_back(tiny_llama_dir, server_factory):
+    srv = server_factory(tiny_llama_dir, "--restart-worker")
     old = srv.worker_pid
     os.kill(old, signal.SIGKILL)
 
@@ -102,11 +101,10 @@ def test_restart_worker_brings_the_engine_back(tiny_llama_dir, tmp_path):
     assert_clean_exit(srv, srv.stop())
 
 
-def test_killed_front_takes_the_worker_along(tiny_llama_dir, tmp_path):
-    srv = start_server(tiny_llama_dir, tmp_path)
+def test_killed_front_takes_the_worker_along(tiny_llama_dir, server_factory):
+    srv = server_factory(tiny_llama_dir)
     srv.proc.kill()
     srv.proc.wait()
-    wait_for(lambda: not psutil.pid_exists(srv.worker_pid) or psutil.Process(srv.worker_pid).status() == "zombie",
-             timeout=20)
-    # the orphaned worker removed the ipc sockets the front could not
-    wait_for(lambda: not os.path.exists(srv.ipc_dir), timeout=5)
+    wait_for(lambda: process_gone(srv.worker_pid), timeout=30, what="the orphaned worker's exit")
+    # it removed the ipc sockets the front could not
+    assert not os.path.exists(srv.ipc_dir), os.listdir(srv.ipc_dir)

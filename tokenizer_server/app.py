@@ -69,13 +69,11 @@ def _json_response(obj) -> Response:
     return Response(_json.encode(obj), media_type="application/json")
 
 
-def build_app(state: ServerState, *, on_startup=None, on_shutdown=None) -> FastAPI:
-    """on_startup / on_shutdown: async callables run by the app's lifespan."""
+def build_app(state: ServerState, *, on_shutdown=None) -> FastAPI:
+    """on_shutdown: an async callable run when the app's lifespan ends."""
 
     @asynccontextmanager
     async def lifespan(app):
-        if on_startup is not None:
-            await on_startup()
         try:
             yield
         finally:

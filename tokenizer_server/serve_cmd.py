@@ -81,25 +81,7 @@ def main(args) -> int:
                         served_model_names=args.served_model_name or [str(args.model_dir)], api_keys=args.api_key)
     state.metrics = ServerMetrics(lambda: supervisor.client.stats, supervisor.is_running)
 
-    async def startup() -> None:
-        async def stop_requested():
-            while not server.should_exit:
-                await asyncio.sleep(0.1)
-
-        start, stop = asyncio.ensure_future(supervisor.start()), asyncio.ensure_future(stop_requested())
-        try:
-            await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if not start.done():
-                start.cancel()
-                raise RuntimeError("stopped during start-up")
-            start.result()
-        except BaseException:
-            supervisor.stop()
-            raise
-        finally:
-            stop.cancel()
-
-    async def shutdown() -> None:
+    async def shutdown() -> None:  # the lifespan's end: stop the worker while the loop still runs
         supervisor.stop()
 
     class Server(uvicorn.Server):
@@ -116,18 +98,38 @@ def main(args) -> int:
                     flush=True,
                 )
 
-    app = build_app(state, on_startup=startup, on_shutdown=shutdown)
+    app = build_app(state, on_shutdown=shutdown)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="on")
     server = Server(config)
-    # uvicorn re-raises the signal that stopped it once it is done; with these handlers in
-    # place that re-raise is harmless and main() returns its exit code.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+
+    async def serve() -> int:
+        # Loading the model can take minutes: a signal meanwhile stops the start-up.
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        start, stopped = asyncio.ensure_future(supervisor.start()), asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+                # uvicorn re-raises the signal that stopped it once it is done; with a
+                # no-op handler in place, that re-raise is harmless and main() returns.
+                signal.signal(sig, lambda *_: None)
+        if not start.done():
+            start.cancel()
+            print("radixkv serve: stopped during start-up", file=sys.stderr)
+            return 0
+        if start.exception() is not None:
+            print(f"radixkv serve: {start.exception()}", file=sys.stderr)
+            return 1
+        await server.serve()
+        return exit_code if server.started else 1
+
     try:
-        server.run()
+        return asyncio.run(serve())
     finally:
         supervisor.stop()
-    if not server.started and exit_code == 0:
-        exit_code = 1  # start-up failed
-    return exit_code

@@ -179,11 +179,12 @@ def main(argv=None) -> int:
         out.send(P.make_encoder().encode(P.WorkerFatal(f"{type(e).__name__}: {e}")))
         return 1
     finally:
-        req.close(linger=0)
-        out.close(linger=1000)  # let a last WorkerFatal reach the front
-        ctx.term()
-        if os.getppid() != cfg.parent_pid:
+        orphaned = os.getppid() != cfg.parent_pid
+        if orphaned:
             _remove_orphaned_ipc(cfg)
+        req.close(linger=0)
+        out.close(linger=0 if orphaned else 1000)  # let a last WorkerFatal reach a live front
+        ctx.term()
 
 
 if __name__ == "__main__":
