@@ -32,6 +32,11 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: "triton" on cuda, "torch" on cpu
     enforce_eager: bool = False  # no CUDA graphs
     max_cuda_graph_batch: int = 256  # decode batches up to this size replay captured graphs
+    # Decode rows that share cached prefix blocks read them once per step for the whole group
+    # (kernels/shared_prefix.py). Applies with the Triton backend (the default on CUDA), when
+    # the batch's groups skip at least shared_prefix_min_saved_tokens KV tokens per layer.
+    enable_shared_prefix_attention: bool = True
+    shared_prefix_min_saved_tokens: int = 65536  # measured break-even on an H200: ~64k tokens
     check_invariants: bool = True  # check the cache's invariants whenever the engine goes idle
 
     def __post_init__(self):
@@ -59,6 +64,11 @@ class EngineConfig:
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("max_prefill_chunk", self.max_prefill_chunk, allow_none=True)
         positive_int("max_cuda_graph_batch", self.max_cuda_graph_batch)
+        if not isinstance(self.enable_shared_prefix_attention, bool):
+            raise ValueError(f"enable_shared_prefix_attention must be a bool, got {self.enable_shared_prefix_attention!r}")
+        v = self.shared_prefix_min_saved_tokens
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"shared_prefix_min_saved_tokens must be a non-negative int, got {v!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must be able to decode in every step, or some starve
             raise ValueError(

@@ -2,7 +2,9 @@
 
 A step: COW block copies first (a sample about to write into a block it shared gets its own
 copy before anyone writes), then the forward over the flattened batch, then the logits of
-the rows that sample. Decode batches replay CUDA graphs on the GPU.
+the rows that sample. Decode batches replay CUDA graphs on the GPU. With the Triton backend,
+a decode batch whose rows share enough cached prefix blocks attends with shared-prefix
+attention (each shared block read once per group); its groups come from the block tables.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 import torch
 
 from radixkv.engine.batch import Batch, build_batch
-from radixkv.engine.block_tables import BlockTables
+from radixkv.engine.block_tables import BlockTables, PrefixGroupCache
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.sequence import Sequence
 from radixkv.models.attention import AttentionMetadata
@@ -52,6 +54,7 @@ class ModelRunner:
         else:
             from kernels.reference import copy_blocks_ref as copy_blocks
         self._copy_blocks = copy_blocks
+        self.last_step_shared = False  # whether the last step used shared-prefix attention
         self.num_blocks = config.num_blocks or self._auto_num_blocks()
         self.kv_cache = torch.zeros(
             (model_cfg.num_layers, 2, self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim),
@@ -61,13 +64,21 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.dtype)
+        if self.device.type == "cuda":
+            # The host's tensor work here is small (batch tensors, prefix groups): intra-op
+            # threads only add wake-up latency, 100x on a loaded machine (derive_groups).
+            torch.set_num_threads(1)
+        self.prefix_groups = None
+        if config.enable_shared_prefix_attention and backend == "triton":
+            self.prefix_groups = PrefixGroupCache(self.block_size, config.shared_prefix_min_saved_tokens,
+                                                  device=self.device)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from radixkv.engine.cuda_graph import DecodeGraphs
 
             max_blocks = -(-self.max_positions // self.block_size)
             self.graphs = DecodeGraphs(self.model, min(config.max_cuda_graph_batch, config.max_num_seqs),
-                                       max_blocks, self.device)
+                                       max_blocks, self.device, shared_prefix=self.prefix_groups is not None)
 
     # ---- sizing -----------------------------------------------------------------------
     def _block_bytes(self) -> int:
@@ -134,8 +145,16 @@ class ModelRunner:
         if copy_ops:
             self._copy_blocks(self.kv_cache, torch.tensor(copy_ops, dtype=torch.int64))
         batch = build_batch(scheduled, tables, rows)
+        groups = dev_groups = None
+        if self.prefix_groups is not None and batch.is_decode:
+            groups, dev_groups = self.prefix_groups.get(tuple(s.seq_id for s, _ in scheduled), batch.block_tables,
+                                                        batch.seq_lens)
+        self.last_step_shared = groups is not None
         if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.run(batch)
+            logits = self.graphs.run(batch, groups)
+            self.last_step_shared = self.graphs.last_shared
+            if len(batch.sample_seqs) == len(batch.seq_lens):  # every decode row samples: rows in order
+                return batch, logits
             return batch, logits[self._tensor(batch.sample_rows)] if len(batch.sample_seqs) else None
         meta = AttentionMetadata(
             slot_mapping=self._tensor(batch.slot_mapping),
@@ -144,6 +163,9 @@ class ModelRunner:
             seq_lens=self._tensor(batch.seq_lens),
             max_seqlen_q=batch.max_seqlen_q,
         )
+        if dev_groups is not None:
+            meta.prefix_groups = dev_groups
+            meta.max_private_len = int((batch.seq_lens - groups.private_start.numpy()).max())
         hidden = self.model(self._tensor(batch.input_ids), self._tensor(batch.positions), meta)
         if not batch.sample_seqs:
             return batch, None

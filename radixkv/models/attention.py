@@ -2,7 +2,9 @@
 over each sequence's block table (cached prefix + new tokens, causal).
 
 The kernels package supplies both backends with one signature: Triton on CUDA, the pure-torch
-reference elsewhere.
+reference elsewhere. A decode batch whose rows share cached prefix blocks may come with
+prefix groups (kernels.shared_prefix.PrefixGroups): then the shared blocks are read once per
+group instead of once per row (shared-prefix / cascade attention).
 """
 
 from __future__ import annotations
@@ -22,6 +24,21 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, query offsets into the flattened batch
     seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
     max_seqlen_q: int
+    prefix_groups: object | None = None  # PrefixGroups of a decode batch (one token per row), on the device
+    max_private_len: int | None = None  # host bound on seq_lens - prefix_groups.private_start (None: any)
+
+
+def shared_prefix_op(backend: str):
+    """shared_prefix_decode for a backend name."""
+    if backend == "triton":
+        from kernels.shared_prefix import shared_prefix_decode
+
+        return shared_prefix_decode
+    if backend == "torch":
+        from kernels.shared_prefix import shared_prefix_decode_ref
+
+        return shared_prefix_decode_ref
+    raise ValueError(f"attention backend {backend!r} not in {BACKENDS}")
 
 
 def attention_ops(backend: str):
@@ -45,12 +62,20 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.store_kv, self.paged_attention = attention_ops(backend)
+        self.backend = backend
+        self._shared_prefix_decode = None  # resolved on first use: most models never need it
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert self.k_cache is not None, "KV cache not bound to the attention layer"
         self.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.prefix_groups is not None:
+            assert meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0], "prefix groups: decode only"
+            if self._shared_prefix_decode is None:
+                self._shared_prefix_decode = shared_prefix_op(self.backend)
+            return self._shared_prefix_decode(q, self.k_cache, self.v_cache, meta.prefix_groups, meta.block_tables,
+                                              meta.seq_lens, scale=self.scale, max_private_len=meta.max_private_len)
         return self.paged_attention(
             q,
             self.k_cache,

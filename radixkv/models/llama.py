@@ -8,6 +8,9 @@ Variants are config flags, set per family in config.py:
 
 The forward runs over a flattened variable-length batch: input_ids and positions are [T],
 attention reads and writes the paged KV cache through AttentionMetadata. No padding.
+With the Triton backend the element-wise steps are fused (fused.py): the residual add goes
+into the next RMSNorm, RoPE rotates q and k in place in the qkv projection's output (no
+copies of q, k, v), and silu(gate) * up is one kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from radixkv.models.rope import RotaryEmbedding, apply_rope
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: str):
         super().__init__()
+        # in-place fused RoPE needs q and k as they leave the projection (no per-head norm first)
+        self.fused_rope = backend == "triton" and not cfg.qk_norm
+        if self.fused_rope:
+            from radixkv.models.fused import rope_qk_
+
+            self._rope = rope_qk_
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = h * d, kvh * d
         shards = merged_shards(["q_proj", "k_proj", "v_proj"], [self.q_size, self.kv_size, self.kv_size])
@@ -36,15 +45,23 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.attn = PagedAttention(h, kvh, d, backend)
 
-    def forward(self, x: torch.Tensor, cos_sin, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata) -> torch.Tensor:
+        """rope: (positions, cos table, sin table) when fused_rope, else gathered (cos, sin)."""
         t = x.shape[0]
+        attn = self.attn
+        if self.fused_rope:
+            qkv = self._rope(self.qkv_proj(x), *rope, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            q = qkv[:, : self.q_size].view(t, attn.num_heads, attn.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, attn.num_kv_heads, attn.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, attn.num_kv_heads, attn.head_dim)
+            return self.o_proj(attn(q, k, v, meta).reshape(t, self.q_size))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.attn.num_heads, self.attn.head_dim)
         k = k.reshape(t, self.attn.num_kv_heads, self.attn.head_dim)
         v = v.reshape(t, self.attn.num_kv_heads, self.attn.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         o = self.attn(q, k, v.contiguous(), meta)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -52,14 +69,17 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: str):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        fused = backend == "triton"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, fused)
 
-    def forward(self, x, cos_sin, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, meta):
+        """(this layer's MLP output, the residual stream before it); their sum is the layer's output."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -72,10 +92,14 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb(positions, x.dtype)  # gathered once, used by every layer
+        if self.layers[0].self_attn.fused_rope:
+            rope = (positions, self.rotary_emb.cos, self.rotary_emb.sin)
+        else:
+            rope = self.rotary_emb(positions, x.dtype)  # gathered once, used by every layer
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos_sin, meta)
-        return x
+            x, residual = layer(x, residual, rope, meta)
+        return x + residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -90,10 +114,13 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] before the final norm."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of the given rows; the final norm is per token, so only those rows pay for it."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the given rows; the final norm is per token, so only those rows pay for it.
+        out: a [rows, vocab] buffer to write them into (a captured graph's static output)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(self.model.norm(hidden), weight)
+        if out is None:
+            return F.linear(self.model.norm(hidden), weight)
+        return torch.mm(self.model.norm(hidden), weight.t(), out=out)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
