@@ -7,11 +7,14 @@ timeout, when idle), run one step, send one StepOutput for everything that step
 produced. Each time the engine goes idle it checks the cache invariants and sends a
 stats snapshot, so the front's /metrics shows the settled pool.
 
-It exits on SIGTERM, when its parent dies (PR_SET_PDEATHSIG, and a getppid check in
-the loop for the moment between fork and prctl), or when the engine raises; in the
-last case it first sends WorkerFatal with the error. SIGINT is ignored: a Ctrl-C in
-the terminal reaches the whole process group, and the front, not the worker,
-decides the order of shutdown.
+It exits on SIGTERM (the front stopping it), when its parent dies, or when the
+engine raises; in the last case it first sends WorkerFatal with the error. Parent
+death arrives as SIGUSR1 (PR_SET_PDEATHSIG), a signal of its own, because a killed
+front's threads die one by one and the worker may hear of it while getppid() still
+names the front; a getppid check in the loop covers the moment before prctl. An
+orphaned worker removes the front's ipc files, which nobody else will. SIGINT is
+ignored: a Ctrl-C in the terminal reaches the whole process group, and the front,
+not the worker, decides the order of shutdown.
 """
 
 import ctypes
@@ -28,11 +31,12 @@ from radixkv import protocol as P
 
 IDLE_POLL_MS = 200  # how often an idle worker looks at the stop flag and its parent
 PR_SET_PDEATHSIG = 1
+PARENT_DEATH_SIGNAL = signal.SIGUSR1
 
 
 def _die_with_parent() -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
     except (OSError, AttributeError):
         pass  # not Linux: the getppid check in the loop still notices
 
@@ -148,16 +152,19 @@ def main(argv=None) -> int:
         print("usage: python -m radixkv.engine.worker CONFIG_JSON (started by `radixkv serve`)", file=sys.stderr)
         return 2
     cfg = msgspec.json.decode(argv[0], type=P.WorkerConfig)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    worker = None
+    worker, orphaned = None, False
 
-    def on_term(*_):
+    def on_stop_signal(signum, _frame):
+        nonlocal orphaned
+        orphaned = orphaned or signum == PARENT_DEATH_SIGNAL
         if worker is None:
             raise SystemExit(0)  # still loading the model: leave now
         worker.stop = True
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, on_stop_signal)
+    signal.signal(PARENT_DEATH_SIGNAL, on_stop_signal)  # before prctl: its default action kills
+    _die_with_parent()
     ctx = zmq.Context()
     req, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     req.setsockopt(zmq.RCVHWM, 0)
@@ -179,7 +186,7 @@ def main(argv=None) -> int:
         out.send(P.make_encoder().encode(P.WorkerFatal(f"{type(e).__name__}: {e}")))
         return 1
     finally:
-        orphaned = os.getppid() != cfg.parent_pid
+        orphaned = orphaned or os.getppid() != cfg.parent_pid
         if orphaned:
             _remove_orphaned_ipc(cfg)
         req.close(linger=0)
