@@ -1,4 +1,6 @@
-"""The decoder against HF transformers on the same folders (fp32, CPU, torch reference attention)."""
+"""The decoder against HF transformers on the same folders (fp32, CPU, torch reference attention),
+and with the Triton backend (its attention and fused element-wise kernels: Triton's interpreter
+without CUDA)."""
 
 import json
 
@@ -12,21 +14,22 @@ from radixkv.models.loader import load_model, load_weights
 from radixkv.models.rope import rope_inv_freq
 
 BLOCK = 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # of the Triton backend's tests
 
 
-def _engine_model(path, **kw):
+def _engine_model(path, backend="torch", device="cpu", **kw):
     cfg = load_model_config(str(path))
-    model = load_model(str(path), cfg, device="cpu", dtype=torch.float32, backend="torch", **kw)
+    model = load_model(str(path), cfg, device=device, dtype=torch.float32, backend=backend, **kw)
     return cfg, model
 
 
-def _bind_cache(cfg, model, num_blocks):
-    kv = torch.zeros(cfg.num_layers, 2, num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+def _bind_cache(cfg, model, num_blocks, device="cpu"):
+    kv = torch.zeros(cfg.num_layers, 2, num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, device=device)
     for i, attn in enumerate(model.attention_layers()):
         attn.k_cache, attn.v_cache = kv[i, 0], kv[i, 1]
 
 
-def _step(model, seqs, tables):
+def _step(model, seqs, tables, device="cpu"):
     """seqs: list of (token ids of this chunk, start position); tables: block ids per sequence.
     Returns logits of every new token, flattened."""
     ids, pos, slots, cu, lens = [], [], [], [0], []
@@ -39,10 +42,11 @@ def _step(model, seqs, tables):
         cu.append(cu[-1] + len(toks))
         lens.append(start + len(toks))
     width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    meta = AttentionMetadata(torch.tensor(slots), bt, torch.tensor(cu, dtype=torch.int32),
-                             torch.tensor(lens, dtype=torch.int32), max(len(s[0]) for s in seqs))
-    return model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta))
+    ten = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    bt = ten([row + [0] * (width - len(row)) for row in tables], torch.int32)
+    meta = AttentionMetadata(ten(slots), bt, ten(cu, torch.int32), ten(lens, torch.int32),
+                             max(len(s[0]) for s in seqs))
+    return model.compute_logits(model(ten(ids), ten(pos), meta)).cpu()
 
 
 def _hf_logits(path, ids):
@@ -51,25 +55,25 @@ def _hf_logits(path, ids):
         return hf(torch.tensor([ids])).logits[0]
 
 
-def _check_paged_vs_hf(path, lengths=(13, 6)):
+def _check_paged_vs_hf(path, lengths=(13, 6), backend="torch", device="cpu", atol=2e-5):
     """Two sequences: prefill in two chunks mixed in one batch, then decodes; shuffled block
     tables; every position's logits equal HF's full forward."""
-    cfg, model = _engine_model(path)
+    cfg, model = _engine_model(path, backend, device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
     perm = torch.randperm(16, generator=g).tolist()
     tables = [perm[:8], perm[8:]]
-    _bind_cache(cfg, model, 16)
+    _bind_cache(cfg, model, 16, device)
     a, b = prompts
-    out1 = _step(model, [(a[:7], 0), (b[:4], 0)], tables)
-    out2 = _step(model, [(a[7:], 7), (b[4:], 4)], tables)
-    out3 = _step(model, [(a[-1:], len(a)), (b[-1:], len(b))], tables)  # decode one more (repeated) token
+    out1 = _step(model, [(a[:7], 0), (b[:4], 0)], tables, device)
+    out2 = _step(model, [(a[7:], 7), (b[4:], 4)], tables, device)
+    out3 = _step(model, [(a[-1:], len(a)), (b[-1:], len(b))], tables, device)  # decode one more (repeated) token
     ref_a = _hf_logits(path, a + a[-1:])
     ref_b = _hf_logits(path, b + b[-1:])
     mine_a = torch.cat([out1[:7], out2[: len(a) - 7], out3[:1]])
     mine_b = torch.cat([out1[7:], out2[len(a) - 7 :], out3[1:]])
-    torch.testing.assert_close(mine_a, ref_a, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(mine_b, ref_b, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(mine_a, ref_a, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(mine_b, ref_b, atol=atol, rtol=1e-5)
     return cfg
 
 
@@ -81,6 +85,50 @@ def test_tiny_llama_matches_hf(tiny_llama_dir):
 def test_tiny_qwen3_matches_hf(tiny_qwen3_dir):
     cfg = _check_paged_vs_hf(tiny_qwen3_dir)
     assert cfg.family == "qwen3" and cfg.qk_norm and cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_triton_backend_with_fused_ops_matches_hf(tiny_llama_dir, tiny_qwen3_dir, arch):
+    """Triton attention plus the fused add+RMSNorm / RoPE / silu*mul kernels (Qwen3's q/k norms
+    keep RoPE unfused), in fp32: HF's logits up to summation order."""
+    path = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
+    _, model = _engine_model(path, "triton", DEVICE)
+    assert model.model.layers[0].self_attn.fused_rope == (arch == "llama")
+    assert model.model.layers[0].mlp._silu_mul is not None
+    _check_paged_vs_hf(path, backend="triton", device=DEVICE, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_match_their_references(dtype):
+    from radixkv.models import fused
+
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEVICE)  # noqa: E731
+    # fp32: equal up to summation order; bf16: one rounding of the result apart at most, in
+    # the interpreter two (its fp32 -> bf16 casts truncate)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.07, rtol=2 ** -6)
+    x, res, w = rnd(5, 96), rnd(5, 96), 1 + 0.1 * rnd(96)
+    for r in (res, None):
+        out, h = fused.add_rms_norm(x, r, w, 1e-6)
+        want, want_h = fused.add_rms_norm_ref(x, r, w, 1e-6)
+        torch.testing.assert_close(out, want, **tol)
+        torch.testing.assert_close(h, want_h, **tol)
+    assert fused.add_rms_norm(x, None, w, 1e-6)[1] is x
+    gate_up = rnd(3, 80)
+    torch.testing.assert_close(fused.silu_mul(gate_up, 40), fused.silu_mul_ref(gate_up, 40), **tol)
+    t, heads, kv_heads, d = 4, 4, 2, 12  # head_dim / 2 = 6: not a power of two
+    qkv = rnd(t, (heads + 2 * kv_heads) * d)
+    pos = torch.tensor([0, 5, 3, 9], device=DEVICE)
+    freqs = torch.outer(torch.arange(16.0), 1 / 10000 ** (torch.arange(0, d, 2) / d)).to(DEVICE)
+    cos, sin = freqs.cos(), freqs.sin()
+    c, s = cos[pos].unsqueeze(1).to(dtype), sin[pos].unsqueeze(1).to(dtype)
+    want_q = fused.rope_ref(qkv[:, : heads * d].view(t, heads, d), c, s)
+    want_k = fused.rope_ref(qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d), c, s)
+    v = qkv[:, (heads + kv_heads) * d :].clone()
+    assert fused.rope_qk_(qkv, pos, cos, sin, heads, kv_heads, d) is qkv  # in place
+    torch.testing.assert_close(qkv[:, : heads * d].view(t, heads, d), want_q, **tol)
+    torch.testing.assert_close(qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d), want_k, **tol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v)  # v untouched
 
 
 def _save_hf(tmp_path, config, name, **save_kw):
