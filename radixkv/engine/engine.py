@@ -2,7 +2,9 @@
 
 Each step: schedule (running first, then admissions; preemption when the pool is full), run
 the COW copies and the forward, commit what was computed to the radix cache, fork the extra
-samples of requests whose prompt just finished, sample, and check stop conditions.
+samples of requests whose prompt just finished, sample, and check stop conditions. Beam
+search requests skip the sampler: their beams' logits go to beam_search.py, whose choice the
+engine applies with forks and frees (ref counts only).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import asdict
 
 import torch
 
+from radixkv.engine.beam_search import BeamSearch, worst_case_blocks
 from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.model_runner import ModelRunner
@@ -43,7 +46,7 @@ class Engine:
         self.scheduler = Scheduler(self.cache, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk, policy=config.scheduling_policy,
-                                   defer_shared_prefill=config.enable_prefix_caching)
+                                   defer_shared_prefill=config.enable_prefix_caching, num_blocks=self.num_blocks)
         self.tables = BlockTables(config.max_num_seqs, -(-self.max_model_len // self.block_size), self.block_size)
         self.scheduler.on_free = lambda seq: self.tables.release(seq.seq_id)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -53,8 +56,9 @@ class Engine:
         self._arrivals = itertools.count()
         self._news: dict[str, Request] = {}  # requests with outputs to report (aborts, between steps)
         self._idle_checked = True
+        # computed_prompt_tokens: prompt positions computed (a prompt shared by n samples counts once)
         self.counters = dict(prompt_tokens=0, cached_prompt_tokens=0, generation_tokens=0, computed_tokens=0,
-                             steps=0, requests_finished=0)
+                             computed_prompt_tokens=0, steps=0, requests_finished=0)
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -62,12 +66,28 @@ class Engine:
         params = SamplingParams() if params is None else params
         validate_request(self, request_id, prompt_token_ids, params, cache_salt)
         req = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), cache_salt)
+        if params.use_beam_search:
+            req.beam = self._beam_search(len(prompt_token_ids), params)
         seq = Sequence(next(self._seq_ids), req, 0, list(prompt_token_ids), pending_forks=params.num_samples - 1)
         req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(seq)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         self._idle_checked = False
+
+    def _beam_search(self, prompt_len: int, p: SamplingParams) -> BeamSearch:
+        max_new = self.max_new_tokens(prompt_len, p)
+        return BeamSearch(num_beams=p.num_beams, length_penalty=p.length_penalty, early_stopping=p.early_stopping,
+                          max_new_tokens=max_new, finish_token_ids=self.finish_token_ids(p), min_tokens=p.min_tokens,
+                          logprobs=p.logprobs,
+                          worst_blocks=worst_case_blocks(prompt_len, max_new, p.num_beams, self.block_size))
+
+    def max_new_tokens(self, prompt_len: int, p: SamplingParams) -> int:
+        room = self.max_model_len - prompt_len
+        return room if p.max_tokens is None else min(p.max_tokens, room)
+
+    def finish_token_ids(self, p: SamplingParams) -> set[int]:
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -101,28 +121,78 @@ class Engine:
         rows = self.tables.sync([(s.seq_id, table(s.seq_id), s.num_computed_tokens) for s, _ in scheduled])
         batch, logits = self.runner.execute(scheduled, self.tables, rows, self.cache.take_copy_ops())
         self.counters["steps"] += 1
+        prompt_computed = 0
         for seq, n in scheduled:
+            start = seq.num_computed_tokens
             self.cache.mark_computed(seq.seq_id, n)
-            seq.num_computed_tokens += n
-            self.counters["computed_tokens"] += n
-        if logits is None:
-            return
-        rows, seqs = [], []
-        for j, seq in enumerate(batch.sample_seqs):
+            seq.num_computed_tokens = start + n
+            if start < seq.num_prompt_tokens:
+                k = min(start + n, seq.num_prompt_tokens) - start
+                seq.request.num_computed_prompt_tokens += k
+                prompt_computed += k
+        self.counters["computed_tokens"] += len(batch.input_ids)
+        self.counters["computed_prompt_tokens"] += prompt_computed
+        if logits is not None:
+            self._sample(batch.sample_seqs, logits)
+        for req in {id(s.request): s.request for s, _ in scheduled}.values():
+            req.record_blocks(self.cache, self.block_size)
+
+    def _sample(self, sample_seqs: list[Sequence], logits: torch.Tensor) -> None:
+        rows, seqs, beam_rows = [], [], {}
+        for j, seq in enumerate(sample_seqs):
+            req = seq.request
+            if req.beam is not None:
+                beam_rows.setdefault(id(req), (req, {}))[1][seq.seq_id] = j
+                continue
             rows.append(j)
             seqs.append(seq)
             while seq.pending_forks:  # n > 1: the other samples start from this prompt's logits
-                req = seq.request
                 child = Sequence(next(self._seq_ids), req, len(req.seqs), list(seq.token_ids))
                 req.seqs.append(child)
                 self.scheduler.fork(seq, child)
                 rows.append(j)
                 seqs.append(child)
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        out = self.sampler(logits, seqs)
-        for i, seq in enumerate(seqs):
-            self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+        if seqs:
+            out = self.sampler(logits if len(rows) == logits.shape[0] else
+                               logits[torch.tensor(rows, device=logits.device)], seqs)
+            for i, seq in enumerate(seqs):
+                self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+        for req, row_of in beam_rows.values():
+            # the scheduler runs all beams of a request in the same step
+            rows = [row_of[s.seq_id] for s in req.seqs]
+            self._beam_step(req, logits[torch.tensor(rows, device=logits.device)].float().log_softmax(-1))
+
+    def _beam_step(self, req: Request, logprobs: torch.Tensor) -> None:
+        beams = req.seqs
+        step = req.beam.step(logprobs, beams)
+        self.counters["generation_tokens"] += len(beams)
+        if step.done:
+            for s in beams:
+                self.scheduler.finish(s, "stop")
+            self._news[req.request_id] = req
+            return
+        # forks first (children share the parent's blocks), then the dropped beams release theirs
+        continued, children = set(), []
+        for parent_idx, token, entry in step.keep:
+            parent = beams[parent_idx]
+            if parent_idx in continued:
+                child = Sequence(next(self._seq_ids), req, 0, list(parent.token_ids), logprobs=list(parent.logprobs))
+                self.scheduler.fork(parent, child)
+            else:
+                continued.add(parent_idx)
+                child = parent
+            children.append((child, token, entry))
+        for i, s in enumerate(beams):
+            if i not in continued:
+                self.scheduler.drop(s)
+        req.seqs = [c for c, _, _ in children]
+        for rank, ((child, token, entry), score) in enumerate(zip(children, req.beam.scores.tolist())):
+            child.index = rank
+            child.token_ids.append(token)
+            child.cumulative_logprob = score
+            if entry is not None:
+                child.logprobs.append(entry)
+            self.cache.append_tokens(child.seq_id, [token])
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: dict | None) -> None:
         seq.token_ids.append(token)
@@ -149,6 +219,8 @@ class Engine:
             self.requests.pop(req.request_id, None)
             self.counters["requests_finished"] += 1
             self.counters["cached_prompt_tokens"] += req.num_cached_tokens or 0
+        if req.beam is not None:
+            return self._beam_output(req) if finished else None
         p = req.params
         seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.index)
         best_of = p.num_samples > p.n
@@ -168,7 +240,21 @@ class Engine:
             s.num_emitted = len(out_ids)
             completions.append(CompletionOutput(rank if best_of else s.index, new, out_ids, lps, s.finish_reason,
                                                 s.cumulative_logprob))
-        return RequestOutput(req.request_id, completions, req.prompt_token_ids, req.num_cached_tokens or 0, finished)
+        return self._request_output(req, completions, finished)
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        live = req.seqs if req.aborted else None  # an aborted search also ranks its running beams
+        want_lp = req.params.logprobs is not None
+        completions = [CompletionOutput(rank, list(h.token_ids), list(h.token_ids), h.logprobs if want_lp else None,
+                                        h.finish_reason, h.cumulative_logprob)
+                       for rank, h in enumerate(req.beam.results(req.params.n, live))]
+        return self._request_output(req, completions, True)
+
+    def _request_output(self, req: Request, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+        sh = req.sharing
+        return RequestOutput(req.request_id, completions, req.prompt_token_ids, req.num_cached_tokens or 0, finished,
+                             None, sh.peak_held, sh.peak_without_sharing, sh.block_steps_held,
+                             sh.block_steps_without_sharing, req.num_computed_prompt_tokens)
 
     # ---- introspection ----------------------------------------------------------------
     def metrics(self) -> dict:

@@ -3,12 +3,16 @@
     llm = LLM("path/to/model", num_blocks=512)
     outs = llm.generate(["Hello", "The sky"], SamplingParams(temperature=0, max_tokens=32))
     outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].num_cached_tokens
+
+Parallel sampling (n, best_of) and beam search (use_beam_search, beam_width, length_penalty,
+early_stopping) come back as several outputs per prompt; beam search's are best first.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from dataclasses import replace
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
@@ -92,4 +96,4 @@ class LLM:
                 text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             completions.append(CompletionOutput(c.index, list(c.token_ids), list(c.token_ids), lps, c.finish_reason,
                                                 c.cumulative_logprob, text))
-        return RequestOutput(out.request_id, completions, out.prompt_token_ids, out.num_cached_tokens, True, prompt)
+        return replace(out, outputs=completions, finished=True, prompt=prompt)

@@ -3,6 +3,13 @@
 Seeds: with `seed=s`, sample i of the request draws from its own generator seeded `s + i`,
 so n samples with seed s equal n single-sample requests with seeds s, s+1, ... . Without a
 seed, samples draw from the engine's generator.
+
+Beam search (`use_beam_search=True`) keeps `beam_width` beams (default: best_of, else n) and
+returns the n best finished hypotheses, ranked as HF transformers' generate(num_beams=W,
+do_sample=False) ranks them: cumulative logprob / generated_len ** length_penalty, with its
+`early_stopping` rules (True, False or "never"). It is deterministic: it ranks the model's raw
+log-probabilities, so temperature and seed do not apply, and the fields that would reshape the
+distribution (top_p, top_k, min_p, penalties) must stay at their defaults.
 """
 
 from __future__ import annotations
@@ -37,10 +44,23 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0: the sampled token's logprob plus the top k
-    use_beam_search: bool = False  # reserved for beam search, which is not implemented yet
+    use_beam_search: bool = False
+    beam_width: int | None = None  # beams kept per step (beam search only); None: best_of, else n
+    length_penalty: float = 1.0  # finished beams rank by cumulative_logprob / generated_len ** this
+    early_stopping: bool | str = False  # True: stop at beam_width finished beams; False: HF heuristic; "never"
 
     @property
     def num_samples(self) -> int:
+        """Sequences the request runs at once: samples drawn, or beams kept."""
+        if self.use_beam_search:
+            return self.num_beams
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def num_beams(self) -> int:
+        """Beam width (beam search only)."""
+        if self.beam_width is not None:
+            return self.beam_width
         return self.best_of if self.best_of is not None else self.n
 
     @property
@@ -83,6 +103,35 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
         if self.use_beam_search:
-            raise ValueError("use_beam_search is not supported yet")
+            self._validate_beam_search()
+        else:
+            for name, default in (("beam_width", None), ("length_penalty", 1.0), ("early_stopping", False)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name} applies to beam search only (set use_beam_search=True), "
+                                     f"got {getattr(self, name)!r}")
         return self
+
+    def _validate_beam_search(self) -> None:
+        if self.beam_width is not None and (not _is_int(self.beam_width) or self.beam_width < 2):
+            raise ValueError(f"beam_width must be None or an int >= 2, got {self.beam_width!r}")
+        if self.beam_width is not None and self.best_of is not None and self.best_of != self.beam_width:
+            raise ValueError(f"best_of ({self.best_of}) must equal beam_width ({self.beam_width}) with beam search")
+        if self.num_beams < 2:  # as in HF, one beam is greedy search
+            raise ValueError("use_beam_search needs at least 2 beams (beam_width, or best_of / n); for one, "
+                             "use greedy sampling (temperature=0)")
+        if self.n > self.num_beams:
+            raise ValueError(f"n ({self.n}) must not exceed the beam width ({self.num_beams})")
+        if not _is_num(self.length_penalty) or not abs(self.length_penalty) < float("inf"):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        # beam search ranks raw log-probabilities: what would reshape them is not applied, so refuse it
+        for name, default in (("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                              ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+            if getattr(self, name) != default:
+                raise ValueError(f"{name} must be {default} with use_beam_search, got {getattr(self, name)!r}")
+        if self.top_k not in (-1, 0):
+            raise ValueError(f"top_k must be -1 (off) with use_beam_search, got {self.top_k!r}")

@@ -9,6 +9,12 @@ then admitted while the budget, the sequence limit and the pool allow, preempted
 With prefix caching, a waiting prompt whose first block a running sequence is still computing
 waits for that computation (then hits the cache) rather than computing the same blocks twice.
 
+Beam search: the beams of a request are scheduled together (all or none in a step), since
+the next beams are chosen from all their logits at once; they are never preempted. Instead,
+a beam request is admitted only while the worst cases of all admitted beam requests fit the
+pool together (the engine rejects one that cannot fit alone), and a beam that cannot grow
+preempts sequences of other requests, which always free enough.
+
 No deadlock: a sequence alone always fits, because the engine rejects up front any request
 whose prompt + max_tokens exceeds the pool, and a sequence that cannot grow preempts others
 before itself.
@@ -33,7 +39,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk: int | None, policy: str = "fcfs", defer_shared_prefill: bool = False):
+                 max_prefill_chunk: int | None, policy: str = "fcfs", defer_shared_prefill: bool = False,
+                 num_blocks: int | None = None):
         self.cache = cache
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -45,6 +52,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._pending_forks = 0  # seats held for samples not forked yet
+        self.num_blocks = cache.stats().num_blocks if num_blocks is None else num_blocks
+        self.beam_blocks = 0  # worst cases of the admitted beam requests, summed
         self.on_free = None  # called with a sequence whose blocks were just freed
 
     # ---- queue management -------------------------------------------------------------
@@ -64,23 +73,42 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason, seq.pending_forks = Status.FINISHED, reason, 0
+        beam = seq.request.beam
+        if beam is not None and beam.reserved_blocks and all(s.is_finished for s in seq.request.seqs):
+            self.beam_blocks -= beam.reserved_blocks
+            beam.reserved_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Child shares all of parent's blocks; called once parent's prompt is computed."""
-        assert parent.status is Status.RUNNING and parent.pending_forks > 0
+        """Child shares all of parent's blocks (a sample once the prompt is computed, or a beam)."""
+        assert parent.status is Status.RUNNING and (parent.pending_forks > 0 or parent.request.beam is not None)
         self.cache.fork(parent.seq_id, child.seq_id)
-        parent.pending_forks -= 1
-        self._pending_forks -= 1
+        if parent.pending_forks:  # a seat held since admission
+            parent.pending_forks -= 1
+            self._pending_forks -= 1
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = Status.RUNNING
         self.running.append(child)
+
+    def drop(self, seq: Sequence) -> None:
+        """A beam with no continuation: its blocks are released (shared ones stay with the others)."""
+        assert seq.status is Status.RUNNING and seq.request.beam is not None
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = Status.FINISHED
 
     def _free(self, seq: Sequence) -> None:
         self.cache.free(seq.seq_id)
         if self.on_free is not None:
             self.on_free(seq)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        assert seq.request.beam is None, "beams are never preempted"
+        for i, (s, n) in enumerate(out.scheduled):  # a victim scheduled earlier in this step
+            if s is seq:
+                del out.scheduled[i]
+                out.num_batched_tokens -= n
+                break
+        out.preempted.append(seq)
         self.running.remove(seq)
         self._pending_forks -= seq.pending_forks
         self._free(seq)
@@ -94,26 +122,55 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        limit = self.max_num_batched_tokens
+        beams_done = set()
+        for seq in list(self.running):  # a copy: preemption removes from the list
+            budget = limit - out.num_batched_tokens
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this step
+                continue
+            if seq.request.beam is not None:
+                if id(seq.request) not in beams_done:
+                    beams_done.add(id(seq.request))
+                    self._schedule_beams(seq.request.seqs, budget, out)
+                continue
             n = self._chunk(seq, budget)
             assert n > 0, "a running sequence has nothing to compute"
-            while self.cache.reserve_slots(seq.seq_id, n) != 0:
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+            if self._reserve(seq, n, out):
                 out.scheduled.append((seq, n))
-                budget -= n
-                i += 1
+                out.num_batched_tokens += n
         if not out.preempted:  # admitting right after a preemption would only thrash
-            budget = self._admit(out, budget)
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
+            out.num_batched_tokens = limit - self._admit(out, limit - out.num_batched_tokens)
         return out
+
+    def _schedule_beams(self, beams: list[Sequence], budget: int, out: SchedulerOutput) -> None:
+        """All live beams of a request, or none (not enough budget: they wait a step)."""
+        chunks = [self._chunk(s, budget) for s in beams]
+        if sum(chunks) > budget:
+            return
+        for s, n in zip(beams, chunks):
+            assert n > 0, "a beam has nothing to compute"
+            ok = self._reserve(s, n, out)
+            assert ok
+            out.scheduled.append((s, n))
+            out.num_batched_tokens += n
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Reserve n slots, preempting the latest running non-beam sequences as needed; False if
+        `seq` itself was preempted."""
+        while self.cache.reserve_slots(seq.seq_id, n) != 0:
+            victim = self._victim()
+            assert victim is not None, "beam requests outgrew their reservation"
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _victim(self) -> Sequence | None:
+        if not self.beam_blocks:
+            return self.running[-1] if self.running else None
+        return next((s for s in reversed(self.running) if s.request.beam is None), None)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         hits = self._lpm_hits() if self.policy == "lpm" else None
@@ -126,6 +183,9 @@ class Scheduler:
             seq = self.waiting[idx]
             if len(self.running) + self._pending_forks + 1 + seq.pending_forks > self.max_num_seqs:
                 break
+            beam = seq.request.beam
+            if beam is not None and self.beam_blocks + beam.worst_blocks > self.num_blocks:
+                break  # admitted beam requests could not all grow to their longest
             salt = seq.request.cache_salt
             if heads is not None and not seq.preempted and self._computing_its_blocks(seq, heads):
                 # a running sequence is computing blocks this prompt shares: admitted a step
@@ -149,6 +209,9 @@ class Scheduler:
             seq.status, seq.num_computed_tokens, seq.preempted = Status.RUNNING, hit, False
             self.running.append(seq)
             self._pending_forks += seq.pending_forks
+            if beam is not None:
+                beam.reserved_blocks = beam.worst_blocks
+                self.beam_blocks += beam.worst_blocks
             out.scheduled.append((seq, n))
             budget -= n
             if heads is not None:

@@ -2,15 +2,20 @@
 
 A Request owns one Sequence per sample. With n > 1 only the first sequence exists until its
 prompt is computed; then the others are forked from it (sharing every block) and sample
-their first token from the same logits.
+their first token from the same logits. With beam search, `seqs` holds the live beams, best
+first; each step replaces them (forks of the chosen parents, see beam_search.py).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from radixkv.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixkv.engine.beam_search import BeamSearch
 
 
 class Status(enum.Enum):
@@ -65,6 +70,23 @@ class Sequence:
         return None if s is None else s + self.index
 
 
+@dataclass
+class BlockSharing:
+    """KV blocks a request's sequences hold with block sharing vs with private copies (each
+    sample or beam its own prompt and history), sampled after every step the request runs."""
+
+    peak_held: int = 0
+    peak_without_sharing: int = 0
+    block_steps_held: int = 0  # summed over steps: 1 - held / without is the time-averaged saving
+    block_steps_without_sharing: int = 0
+
+    def add(self, held: int, without: int) -> None:
+        self.peak_held = max(self.peak_held, held)
+        self.peak_without_sharing = max(self.peak_without_sharing, without)
+        self.block_steps_held += held
+        self.block_steps_without_sharing += without
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -75,6 +97,21 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     aborted: bool = False
+    beam: "BeamSearch | None" = None  # beam search state (use_beam_search)
+    num_computed_prompt_tokens: int = 0  # prompt positions computed, over all sequences and recomputes
+    sharing: BlockSharing = field(default_factory=BlockSharing)
+
+    def record_blocks(self, cache, block_size: int) -> None:
+        """Sample what the live sequences hold now: distinct blocks, and what private copies would take."""
+        live = [s for s in self.seqs if s.status is Status.RUNNING]
+        if not live:
+            return
+        without = sum(-(-s.num_computed_tokens // block_size) for s in live)
+        if len(live) == 1:
+            held = without
+        else:
+            held = len(set().union(*(cache.block_table(s.seq_id) for s in live)))
+        self.sharing.add(held, without)
 
     @property
     def finished(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from radixkv.engine.beam_search import worst_case_blocks
 from radixkv.engine.sampling_params import SamplingParams
 
 
@@ -37,4 +38,21 @@ def validate_request(engine, request_id, prompt_token_ids, params, cache_salt) -
             f"{limit} tokens (model {engine.runner.max_positions}, KV pool {engine.num_blocks * engine.block_size})"
         )
     if params.num_samples > engine.config.max_num_seqs:
-        raise ValueError(f"best_of/n: {params.num_samples} samples exceed max_num_seqs ({engine.config.max_num_seqs})")
+        name = "beam_width" if params.use_beam_search else "best_of/n"
+        raise ValueError(f"{name}: {params.num_samples} sequences exceed max_num_seqs ({engine.config.max_num_seqs})")
+    if params.use_beam_search:
+        _validate_beam_search(engine, n_prompt, params)
+
+
+def _validate_beam_search(engine, n_prompt: int, params: SamplingParams) -> None:
+    W, vocab = params.num_beams, engine.model_config.vocab_size
+    candidates = W * max(2, 1 + len(engine.finish_token_ids(params)))
+    if candidates > vocab:
+        raise ValueError(f"beam_width: {W} beams rank {candidates} candidates per step, more than the "
+                         f"vocabulary ({vocab})")
+    max_new = engine.max_new_tokens(n_prompt, params)
+    need = worst_case_blocks(n_prompt, max_new, W, engine.block_size)
+    if need > engine.num_blocks:
+        raise ValueError(f"max_tokens: {W} beams over a prompt of {n_prompt} tokens may hold {need} KV blocks "
+                         f"({max_new} new tokens each), more than the pool's {engine.num_blocks}; lower "
+                         f"max_tokens or beam_width")
