@@ -4,7 +4,7 @@ API keys for the whole module."""
 
 import httpx
 import pytest
-from test_server_harness import assert_clean_exit, start_server
+from test_server_harness import running_server
 
 KEY_A, KEY_B = "key-alpha", "key-beta"
 LONG_PROMPT = " ".join(f"entry {i} of the ledger reads {i * 31 % 97} coins;" for i in range(25))
@@ -12,13 +12,10 @@ LONG_PROMPT = " ".join(f"entry {i} of the ledger reads {i * 31 % 97} coins;" for
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("api"), "--api-key", KEY_A, "--api-key", KEY_B,
-                       "--served-model-name", "tiny", "--max-num-seqs", "8", "--max-num-batched-tokens", "512")
-    try:
+    extra = ["--api-key", KEY_A, "--api-key", KEY_B, "--served-model-name", "tiny", "--max-num-seqs", "8",
+             "--max-num-batched-tokens", "512"]
+    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("api"), *extra) as srv:
         yield srv
-        assert_clean_exit(srv, srv.stop())
-    finally:
-        srv.kill()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 from openai import OpenAI
-from test_server_harness import assert_clean_exit, start_server, wait_for
+from test_server_harness import running_server, wait_for
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 LONG_PROMPT = " ".join(f"item {i} is the {i * 7 % 13}th colour of the rainbow;" for i in range(30))
@@ -17,12 +17,8 @@ LONG_PROMPT = " ".join(f"item {i} is the {i * 7 % 13}th colour of the rainbow;" 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("srv"))
-    try:
+    with running_server(tiny_llama_dir, tmp_path_factory.mktemp("srv")) as srv:
         yield srv
-        assert_clean_exit(srv, srv.stop())
-    finally:
-        srv.kill()
 
 
 @pytest.fixture(scope="module")

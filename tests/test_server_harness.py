@@ -2,6 +2,7 @@
 loopback port, for the server and API tests. Holds no tests of its own but two checks
 of its helpers."""
 
+import contextlib
 import json
 import os
 import re
@@ -65,6 +66,18 @@ class Server:
             except psutil.NoSuchProcess:
                 pass
         self.proc.wait()
+
+
+@contextlib.contextmanager
+def running_server(model_dir, tmp_path, *extra):
+    """A server for a block of tests; on leaving it must stop cleanly on SIGTERM, and
+    whatever a failure left running is killed."""
+    srv = start_server(model_dir, tmp_path, *extra)
+    try:
+        yield srv
+        assert_clean_exit(srv, srv.stop())
+    finally:
+        srv.kill()
 
 
 @pytest.fixture

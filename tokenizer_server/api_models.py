@@ -16,6 +16,13 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 2**20  # the engine offsets seeds per sample
 
 
+def _refuse_if_set(value, what: str = "this field is"):
+    """Fields the engine cannot honour are refused, not silently ignored."""
+    if value:
+        raise ValueError(f"{what} not supported by this server")
+    return value
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
@@ -69,9 +76,7 @@ class _SamplingRequest(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _unsupported_bias(cls, v):
-        if v:
-            raise ValueError("not supported by this server")
-        return v
+        return _refuse_if_set(v)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -107,9 +112,7 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("suffix")
     @classmethod
     def _unsupported_suffix(cls, v):
-        if v:
-            raise ValueError("not supported by this server")
-        return v
+        return _refuse_if_set(v)
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompt as a list of prompts, each text or token ids."""
@@ -156,6 +159,4 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("tools")
     @classmethod
     def _unsupported_tools(cls, v):
-        if v:
-            raise ValueError("tool calls are not supported by this server")
-        return v
+        return _refuse_if_set(v, "tool calls are")

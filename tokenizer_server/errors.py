@@ -71,12 +71,8 @@ async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
 
 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    status = exc.status_code
-    return JSONResponse(
-        {"error": {"message": str(exc.detail), "type": _TYPES.get(status, "server_error"), "param": None, "code": None}},
-        status_code=status,
-        headers=getattr(exc, "headers", None),
-    )
+    err = APIError(exc.status_code, str(exc.detail))
+    return JSONResponse(err.body(), status_code=err.status, headers=getattr(exc, "headers", None))
 
 
 def install_error_handlers(app) -> None:

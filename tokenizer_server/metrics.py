@@ -26,7 +26,9 @@ class _EngineCollector:
         if s is None:
             return
         gauges = {
-            "radixkv_kv_cache_usage_fraction": ("fraction of KV blocks held by live requests", s.in_use_blocks / max(s.num_blocks, 1)),
+            "radixkv_kv_cache_usage_fraction": (
+                "fraction of KV blocks held by live requests", s.in_use_blocks / max(s.num_blocks, 1)
+            ),
             "radixkv_kv_blocks_total": ("KV blocks in the pool", s.num_blocks),
             "radixkv_kv_blocks_free": ("KV blocks on the free list", s.free_blocks),
             "radixkv_kv_blocks_evictable": ("cached KV blocks no request holds (evictable)", s.evictable_blocks),
@@ -40,7 +42,9 @@ class _EngineCollector:
             g.add_metric([], float(value))
             yield g
         counters = {
-            "radixkv_prefix_cache_queries_tokens": ("prompt tokens looked up in the prefix cache", s.prefix_query_tokens),
+            "radixkv_prefix_cache_queries_tokens": (
+                "prompt tokens looked up in the prefix cache", s.prefix_query_tokens
+            ),
             "radixkv_prefix_cache_hits_tokens": ("prompt tokens found in the prefix cache", s.prefix_hit_tokens),
             "radixkv_num_preemptions": ("requests preempted (recomputed later)", s.preemptions),
             "radixkv_prompt_tokens": ("prompt tokens admitted", s.prompt_tokens),

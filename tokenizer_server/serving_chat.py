@@ -8,6 +8,7 @@ from tokenizer_server.api_models import ChatCompletionRequest
 from tokenizer_server.errors import bad_request
 from tokenizer_server.generation import GenerationGroup
 from tokenizer_server.serving_common import (
+    ChunkMaker,
     ServerState,
     build_sampling,
     check_model,
@@ -73,12 +74,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.stream:
         first = await start_stream(group, request)
 
-        def chunk(choices, usage=None) -> dict:
-            c = {"id": group.request_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                 "choices": choices}
-            if usage is not None:
-                c["usage"] = usage
-            return c
+        chunk = ChunkMaker(group, "chat.completion.chunk", created, req)
 
         # The first chunk of every choice names the role, as OpenAI's do.
         head = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -92,12 +88,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                    "finish_reason": ev.finish_reason}]))
             return out
 
-        def tail():
-            if req.stream_options is not None and req.stream_options.include_usage:
-                return [chunk([], group.usage().to_dict())]
-            return []
-
-        return stream(group, first, to_chunks, tail)
+        return stream(group, first, to_chunks, chunk.tail)
 
     events = await collect(group, request)
     texts = [""] * req.n

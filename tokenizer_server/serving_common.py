@@ -162,6 +162,25 @@ async def start_stream(group: GenerationGroup, request: Request) -> list:
         raise
 
 
+class ChunkMaker:
+    """Builds the chunks of one streamed response: chunk(choices), and tail() for the final
+    usage chunk when the client asked for it (stream_options.include_usage)."""
+
+    def __init__(self, group: GenerationGroup, obj: str, created: int, req):
+        self.group, self.obj, self.created, self.model = group, obj, created, req.model
+        self.include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+    def __call__(self, choices: list, usage: dict | None = None) -> dict:
+        c = {"id": self.group.request_id, "object": self.obj, "created": self.created, "model": self.model,
+             "choices": choices}
+        if usage is not None:
+            c["usage"] = usage
+        return c
+
+    def tail(self) -> list[dict]:
+        return [self([], self.group.usage().to_dict())] if self.include_usage else []
+
+
 def stream(group: GenerationGroup, first_events: list, to_chunks, tail) -> StreamingResponse:
     """Server-sent events: to_chunks(events) -> chunk dicts; tail() -> final chunks (usage).
     A client that disconnects cancels the generator, whose finally aborts the request."""

@@ -8,6 +8,7 @@ from tokenizer_server.api_models import CompletionRequest
 from tokenizer_server.errors import bad_request
 from tokenizer_server.generation import GenerationGroup
 from tokenizer_server.serving_common import (
+    ChunkMaker,
     ServerState,
     build_sampling,
     check_model,
@@ -96,12 +97,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if req.stream:
         first = await start_stream(group, request)
 
-        def chunk(choices, usage=None) -> dict:
-            c = {"id": group.request_id, "object": "text_completion", "created": created, "model": req.model,
-                 "choices": choices}
-            if usage is not None:
-                c["usage"] = usage
-            return c
+        chunk = ChunkMaker(group, "text_completion", created, req)
 
         def to_chunks(events):
             return [
@@ -110,12 +106,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                 for ev in events
             ]
 
-        def tail():
-            if req.stream_options is not None and req.stream_options.include_usage:
-                return [chunk([], group.usage().to_dict())]
-            return []
-
-        return stream(group, first, to_chunks, tail)
+        return stream(group, first, to_chunks, chunk.tail)
 
     events = await collect(group, request)
     num_choices = len(prompts) * req.n
