@@ -1,6 +1,7 @@
 """GPU checks at the Llama-3-8B shape (random weights, bf16): decoder logits against HF
-transformers, CUDA-graph decode against eager, and the shared-prompt workload end to end.
-Skipped without CUDA. Run with -s to see the measured figures."""
+transformers, CUDA-graph decode against eager, shared-prefix decode graphs against the plain
+kernel, and the shared-prompt workload end to end. Skipped without CUDA. Run with -s to see
+the measured figures."""
 
 import gc
 import json
@@ -165,7 +166,8 @@ def engine8b(llama8b_dir):
                                  attention_backend=BACKEND, **ENGINE_ARGS))
     graphs = engine.runner.graphs
     _report("engine_start", seconds=time.perf_counter() - t0, num_blocks=engine.num_blocks,
-            max_model_len=engine.max_model_len, graph_sizes=graphs.sizes if graphs else None)
+            max_model_len=engine.max_model_len, graph_sizes=graphs.sizes if graphs else None,
+            shared_prefix_graphs=graphs.num_shared_captures if graphs else None)
     yield engine
 
 
@@ -236,6 +238,73 @@ def _graph_vs_eager(e, rng, ids):
     assert err < 0.1 and same_top1 >= 0.8
 
 
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_shared_prefix_graph_matches_plain(engine8b):
+    """96 rows sharing a 1,100-token prompt: the shared-prefix graph, the shared-prefix eager
+    step and the plain graph give the same logits to bf16 accuracy."""
+    e = engine8b
+    graphs = e.runner.graphs
+    if DEVICE == "cuda":
+        assert graphs.shared_prefix and graphs.num_shared_captures > 0
+    rng = random.Random(3)
+    system = [_token(rng) for _ in range(1100)]
+    ids = [f"s{i}" for i in range(96)]
+    try:
+        for rid in ids:
+            e.add_request(rid, system + [_token(rng) for _ in range(rng.randrange(5, 40))],
+                          SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+        while e.scheduler.waiting or any(s.num_output_tokens == 0 for s in e.scheduler.running):
+            e.step()
+        e.step()
+        assert e.runner.last_step_shared
+        _shared_vs_plain(e, graphs)
+    finally:
+        for rid in ids:
+            e.abort_request(rid)
+        _drain(e)
+
+
+def _shared_vs_plain(e, graphs):
+    running = list(e.scheduler.running)
+    scheduled = [(s, 1) for s in running]
+    rows = e.tables.sync([(s.seq_id, e.cache.block_table(s.seq_id), s.num_computed_tokens) for s in running])
+    r = e.runner
+    groups = r.prefix_groups
+
+    def execute(shared, use_graphs):
+        r.prefix_groups, r.graphs = (groups if shared else None), (graphs if use_graphs else None)
+        try:
+            with torch.inference_mode():  # each run rewrites the same KV slots with the same values
+                _, logits = r.execute(scheduled, e.tables, rows, [])
+                assert r.last_step_shared == shared
+                return logits.float().clone()
+        finally:
+            r.prefix_groups, r.graphs = groups, graphs
+
+    def timed(shared):
+        execute(shared, True)
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            execute(shared, True)
+        _sync()
+        return (time.perf_counter() - t0) / 5 * 1e3
+
+    plain, shared, eager = execute(False, True), execute(True, True), execute(True, False)
+    top1 = lambda a: float((a.argmax(-1) == plain.argmax(-1)).float().mean())  # noqa: E731
+    g = groups.current
+    figures = dict(batch=len(running), groups=g.num_groups, saved_tokens=g.saved_tokens,
+                   rel_err_graph=_rel(shared, plain), rel_err_eager=_rel(eager, plain), top1_graph=top1(shared),
+                   top1_eager=top1(eager), plain_step_ms=timed(False), shared_step_ms=timed(True))
+    _report("shared_prefix_vs_plain", **figures)
+    # bf16 with a different summation order: the size of graph-vs-eager differences (~3e-2)
+    assert figures["rel_err_graph"] < 0.1 and figures["rel_err_eager"] < 0.1
+    assert figures["top1_graph"] >= 0.8 and figures["top1_eager"] >= 0.8
+
+
 @pytest.mark.parametrize("num_requests", [256])
 def test_shared_prompt_workload(engine8b, num_requests):
     """DESIGN 7: N x (1,024 shared + 128 unique) prompt tokens, 128 output tokens, greedy, EOS ignored."""
@@ -250,7 +319,7 @@ def test_shared_prompt_workload(engine8b, num_requests):
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         e.add_request(f"w{i}", p, params)
-    first_token_at, steps = None, 0
+    first_token_at, steps, shared_steps = None, 0, 0
     finished = {}
     while e.has_unfinished_requests():
         for out in e.step():
@@ -259,6 +328,7 @@ def test_shared_prompt_workload(engine8b, num_requests):
             if out.finished:
                 finished[out.request_id] = out
         steps += 1
+        shared_steps += e.runner.last_step_shared
     _sync()
     elapsed = time.perf_counter() - t0
     m = e.metrics()
@@ -267,9 +337,11 @@ def test_shared_prompt_workload(engine8b, num_requests):
     _report("shared_prompt_workload", requests=num_requests, seconds=elapsed, output_tokens=produced,
             output_tok_per_s=produced / elapsed, first_token_s=first_token_at, steps=steps,
             computed_tokens=m["computed_tokens"] - before["computed_tokens"], cached_prompt_tokens=cached,
-            preemptions=m["preemptions"] - before["preemptions"], num_blocks=e.num_blocks)
+            preemptions=m["preemptions"] - before["preemptions"], num_blocks=e.num_blocks, shared_steps=shared_steps)
     assert len(finished) == num_requests and produced == num_requests * 128
     assert cached >= (num_requests - 16) * 1024
+    if e.runner.prefix_groups is not None:  # the decode steps of the full batch share the prompt
+        assert shared_steps >= 100
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])

@@ -2,8 +2,9 @@
 groups derived only when the decode batch changes, and the padded inputs of a shared-prefix
 CUDA graph attending exactly like the unpadded groups.
 
-Without CUDA the Triton kernels run in the interpreter and steps run eagerly; with CUDA the
-engine test also replays shared-prefix graphs (captured for batches of any size here)."""
+Without CUDA the Triton kernels run in the interpreter, and the decode graphs' logic (static
+inputs, padding, group layout, graph choice) runs with "replays" that re-run the captured
+forward; with CUDA the graphs are real (captured for batches of any size here)."""
 
 import random
 
@@ -13,11 +14,26 @@ import torch
 
 from radixkv.engine.block_tables import PrefixGroupCache
 from radixkv.engine.config import EngineConfig
+from radixkv.engine.cuda_graph import DecodeGraphs
 from radixkv.engine.engine import Engine
 from radixkv.engine.sampling_params import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BS = 4  # block size of these tests
+
+
+class EagerReplayGraphs(DecodeGraphs):
+    """DecodeGraphs without CUDA: a "graph" re-runs its forward on the static inputs at replay."""
+
+    def _capture(self, key) -> None:
+        self.graphs[key] = type("Replay", (), {"replay": staticmethod(lambda: self._run(key))})()
+        if not isinstance(key, int):
+            self.num_shared_captures += 1
+
+
+def decode_graphs(runner, max_batch, **kw):
+    cls = DecodeGraphs if runner.device.type == "cuda" else EagerReplayGraphs
+    return cls(runner.model, max_batch, -(-runner.max_positions // runner.block_size), runner.device, **kw)
 
 
 def _run(engine, prompts, max_tokens=6):
@@ -47,18 +63,14 @@ def test_engine_with_shared_prefix_attention_matches_plain(tiny_llama_dir):
     want, none_shared, _ = _run(plain, prompts)
     assert none_shared == 0
     shared = Engine(EngineConfig(**common, shared_prefix_min_saved_tokens=1))
-    if DEVICE == "cuda":  # shared-prefix graphs for every batch size, not only from 64 rows up
-        from radixkv.engine.cuda_graph import DecodeGraphs
-
-        r = shared.runner
-        r.graphs = DecodeGraphs(r.model, 8, r.graphs.max_blocks, r.device, shared_prefix=True, min_shared_batch=1)
+    # decode graphs with shared-prefix variants for every batch size, not only from 64 rows up
+    shared.runner.graphs = decode_graphs(shared.runner, 8, shared_prefix=True, min_shared_batch=1)
     got, shared_steps, batches = _run(shared, prompts)
     assert got == want
     assert shared_steps >= 3
     # groups are derived once per distinct decode batch, not once per step
     assert shared.runner.prefix_groups.num_derived <= len(batches) + 2 < shared_steps + 2
-    if DEVICE == "cuda":
-        assert shared.runner.graphs.num_shared_captures > 0
+    assert shared.runner.graphs.num_shared_captures > 0
 
 
 def _tables(rows):

@@ -75,7 +75,7 @@ class DecodeGraphs:
             self.g_slots = torch.full((n, LEVELS), -1, dtype=torch.int32, **kw)
             self.g_pstart = torch.zeros(n, dtype=torch.int32, **kw)
             self._filled = None  # (groups, n, key) whose content the static inputs hold
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = None  # one memory pool for every graph, made at the first capture
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
             self._capture(bs)
         if shared_prefix:
@@ -111,6 +111,8 @@ class DecodeGraphs:
         # one token of block 0, no groups); later the current batch, which the replay recomputes.
         self._run(key)  # Triton compiles, cuBLAS picks algorithms: outside the graph
         torch.cuda.synchronize()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             self._run(key)
