@@ -113,7 +113,7 @@ def run_hf_generate(model, prompts, output_len: int) -> dict:
 def run_hf_generate_batch(model, prompts, output_len: int) -> dict:
     import torch
     from transformers import GenerationConfig
-    from transformers.generation.continuous_batching import ContinuousBatchingConfig
+    from transformers import ContinuousBatchingConfig
 
     gen = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
@@ -176,8 +176,12 @@ def add_arguments(p) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--model-dir", default="/tmp/radixkv-llama3-8b", help="where the random model folder is written")
     p.add_argument("--peers", nargs="*", default=["hf_generate", "hf_generate_batch"])
-    p.add_argument("--gsp", action="store_true", help="also run the generated-shared-prefix workload (ours)")
-    p.add_argument("--engine-args", default="{}", help="JSON of extra EngineConfig fields")
+    p.add_argument("--generate-batch-max-requests", type=int, default=256,
+                   help="run HF generate_batch only up to this many requests (it is slow)")
+    p.add_argument("--gsp", action="store_true", help="also run the generated-shared-prefix workload (ours, last config)")
+    p.add_argument("--engine-args", default="{}", help="JSON of EngineConfig fields common to every config of ours")
+    p.add_argument("--configs", default='{"radixkv": {}}',
+                   help="JSON {name: EngineConfig fields}: each of ours runs in a fresh engine")
     p.add_argument("--out", default="benchmarks/results")
 
 
@@ -202,6 +206,8 @@ def main(args) -> int:
         prompts = make_requests(n, args.shared, args.unique, LLAMA3_8B["vocab_size"], seed=n)
         floor = roofline(LLAMA3_8B, prompts, args.output_len, hw, args.shared)
         for peer in args.peers:
+            if peer == "hf_generate_batch" and n > args.generate_batch_max_requests:
+                continue
             fn = {"hf_generate": run_hf_generate, "hf_generate_batch": run_hf_generate_batch}[peer]
             try:
                 r = fn(hf, prompts, args.output_len)
@@ -215,23 +221,39 @@ def main(args) -> int:
     gc.collect()
     torch.cuda.empty_cache()
 
-    engine = Engine(EngineConfig(model_dir=str(model_dir), device="cuda", dtype="bfloat16",
-                                 **json.loads(args.engine_args)))
-    run_ours(engine, make_requests(8, 256, 32, LLAMA3_8B["vocab_size"], seed=99), 8, "warmup")
-    for n in args.num_requests:
-        prompts = make_requests(n, args.shared, args.unique, LLAMA3_8B["vocab_size"], seed=1000 + n)
-        floor = roofline(LLAMA3_8B, prompts, args.output_len, hw, args.shared)
-        rows.append({"system": "radixkv", "requests": n, **run_ours(engine, prompts, args.output_len, f"r{n}"), **floor})
-        print(rows[-1], flush=True)
-    if args.gsp:
-        rng = random.Random(7)
-        prompts = []
-        for g in range(64):
-            system = [rng.randrange(1000, 120000) for _ in range(2048)]
-            prompts += [system + [rng.randrange(1000, 120000) for _ in range(128)] for _ in range(16)]
-        r = run_ours(engine, prompts, 256, "gsp")
-        rows.append({"system": "radixkv", "workload": "generated_shared_prefix", "requests": len(prompts), **r})
-        print(rows[-1], flush=True)
+    configs = json.loads(args.configs)
+    for ci, (name, fields) in enumerate(configs.items()):
+        try:
+            t = time.perf_counter()
+            engine = Engine(EngineConfig(model_dir=str(model_dir), device="cuda", dtype="bfloat16",
+                                         **{**json.loads(args.engine_args), **fields}))
+            run_ours(engine, make_requests(8, 256, 32, LLAMA3_8B["vocab_size"], seed=99), 8, "warmup")
+            print(f"{name}: engine ready in {time.perf_counter() - t:.1f} s", flush=True)
+            for n in args.num_requests:
+                # a fresh system prompt per run: no run is served from another's cache
+                prompts = make_requests(n, args.shared, args.unique, LLAMA3_8B["vocab_size"], seed=1000 * (ci + 1) + n)
+                floor = roofline(LLAMA3_8B, prompts, args.output_len, hw, args.shared)
+                rows.append({"system": name, "requests": n, **run_ours(engine, prompts, args.output_len, f"r{n}"),
+                             **floor})
+                print(rows[-1], flush=True)
+            if args.gsp and ci == len(configs) - 1:
+                rng = random.Random(7)
+                prompts = []
+                for g in range(64):
+                    system = [rng.randrange(1000, 120000) for _ in range(2048)]
+                    prompts += [system + [rng.randrange(1000, 120000) for _ in range(128)] for _ in range(16)]
+                r = run_ours(engine, prompts, 256, "gsp")
+                rows.append({"system": name, "workload": "generated_shared_prefix", "requests": len(prompts), **r})
+                print(rows[-1], flush=True)
+        except Exception as e:  # one failing config must not lose the others' figures
+            import traceback
+
+            traceback.print_exc()
+            rows.append({"system": name, "requests": 0, "error": f"{type(e).__name__}: {e}"[:300]})
+        finally:
+            engine = None
+            gc.collect()
+            torch.cuda.empty_cache()
 
     for r in rows:
         if "seconds" in r:
@@ -239,10 +261,11 @@ def main(args) -> int:
             if "floor_s" in r:
                 r["x_floor"] = r["seconds"] / r["floor_s"]
                 r["x_floor_shared_once"] = r["seconds"] / r["floor_shared_once_s"]
+    peers = set(args.peers)
     for r in rows:
-        if r["system"] == "radixkv" and "floor_s" in r:
+        if r["system"] not in peers and "floor_s" in r:
             for peer in rows:
-                if peer["system"] != "radixkv" and peer["requests"] == r["requests"] and "seconds" in peer:
+                if peer["system"] in peers and peer["requests"] == r["requests"] and "seconds" in peer:
                     r[f"x_{peer['system']}"] = r["output_tok_per_s"] / peer["output_tok_per_s"]
     date = time.strftime("%Y-%m-%d")
     result = {"date": date, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "hardware": hw,
