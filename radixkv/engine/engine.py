@@ -132,10 +132,10 @@ class Engine:
                 prompt_computed += k
         self.counters["computed_tokens"] += len(batch.input_ids)
         self.counters["computed_prompt_tokens"] += prompt_computed
+        for req in {id(s.request): s.request for s, _ in scheduled}.values():  # what this step held
+            req.record_blocks(self.cache, self.block_size)
         if logits is not None:
             self._sample(batch.sample_seqs, logits)
-        for req in {id(s.request): s.request for s, _ in scheduled}.values():
-            req.record_blocks(self.cache, self.block_size)
 
     def _sample(self, sample_seqs: list[Sequence], logits: torch.Tensor) -> None:
         rows, seqs, beam_rows = [], [], {}

@@ -73,7 +73,8 @@ class Sequence:
 @dataclass
 class BlockSharing:
     """KV blocks a request's sequences hold with block sharing vs with private copies (each
-    sample or beam its own prompt and history), sampled after every step the request runs."""
+    sample or beam its own prompt and history), sampled after the forward of every step the
+    request runs in (before that step's forks, frees and finishes)."""
 
     peak_held: int = 0
     peak_without_sharing: int = 0
