@@ -139,6 +139,46 @@ class CacheMachine(RuleBasedStateMachine):
         self.free(parent)
         return child
 
+    @rule(target=seqs, beams=st.lists(seqs, min_size=1, max_size=3, unique=True),
+          picks=st.lists(st.integers(0, 2), min_size=1, max_size=4),
+          toks=st.lists(st.integers(0, 3), min_size=4, max_size=4), reuse=st.booleans(), free_late=st.booleans())
+    def beam_step(self, beams, picks, toks, reuse, free_late):
+        """Engine-like beam search step: every new beam forks a chosen parent (a parent may be
+        chosen several times, or not at all) and the old beams are freed, then the new beams
+        decode. With `reuse`, a parent's first pick continues in the parent itself, as the
+        engine does; with `free_late`, the new beams reserve (copy ops pending on the shared
+        partial blocks) before the old beams are freed."""
+        for b in beams:
+            if b in self.live:
+                self.prefill(b)
+        beams = [b for b in beams if b in self.live and self.m.num_computed_tokens(b) == len(self.live[b][0])]
+        if not beams:
+            return consumes_nothing()
+        children, kept = [], set()
+        for i in picks:
+            parent = beams[i % len(beams)]
+            if reuse and parent not in kept:
+                kept.add(parent)
+                children.append(parent)
+            else:
+                children.append(self.fork(parent))
+        reserved = []
+        for child, tok in zip(children, toks):
+            if free_late:
+                self.append(child, [tok])
+                if self._reserve(child, 1) == 0:
+                    reserved.append(child)
+        for b in beams:
+            if b not in kept:
+                self.free(b)
+        for child, tok in zip(children, toks):
+            if not free_late:
+                self.decode(child, tok)
+            elif child in reserved:
+                self.compute(child, 1)
+        new = [c for c in children if c not in kept]
+        return multiple(*new) if new else consumes_nothing()
+
     @rule(extra=st.integers(1, 4))
     def evict(self, extra):
         """Memory pressure: a newcomer reserves every free block and `extra` more, so that
