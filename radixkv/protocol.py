@@ -130,6 +130,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     parent_pid: int
     engine_args: dict[str, Union[str, int, float, bool, None]]
     stats_interval_s: float = 0.5
+    torch_threads: Union[int, None] = None  # None: every core but one, which the front needs
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:

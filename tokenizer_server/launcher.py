@@ -37,8 +37,9 @@ def make_ipc_dir() -> str:
 
 class WorkerSupervisor:
     def __init__(self, engine_args: dict, *, restart: bool, on_fatal, ready_timeout: float = 600.0,
-                 stats_interval_s: float = 0.5):
+                 stats_interval_s: float = 0.5, torch_threads: int | None = None):
         self.engine_args = dict(engine_args)
+        self.torch_threads = torch_threads
         self.restart = restart
         self.on_fatal = on_fatal  # called (exit code) when the worker died for good
         self.ready_timeout = ready_timeout
@@ -63,6 +64,7 @@ class WorkerSupervisor:
             parent_pid=os.getpid(),
             engine_args=self.engine_args,
             stats_interval_s=self.stats_interval_s,
+            torch_threads=self.torch_threads,
         )
         cmd = [sys.executable, "-m", "radixkv.engine.worker", msgspec.json.encode(cfg).decode()]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)

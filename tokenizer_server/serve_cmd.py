@@ -32,6 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--restart-worker", action="store_true",
                    help="restart a dead engine worker instead of exiting (in-flight requests still fail)")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="intra-op threads of the engine worker (default: all cores but one, left to the front)")
     p.add_argument("--worker-ready-timeout", type=float, default=600.0, help="seconds to wait for the worker to load")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -66,6 +68,9 @@ def main(args) -> int:
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         print(f"radixkv serve: {args.model_dir!r} is not a model folder (no config.json)", file=sys.stderr)
         return 2
+    if args.torch_threads is not None and args.torch_threads < 1:
+        print(f"radixkv serve: --torch-threads must be >= 1, got {args.torch_threads}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
     exit_code = 0
@@ -76,7 +81,7 @@ def main(args) -> int:
         server.should_exit = True
 
     supervisor = WorkerSupervisor(engine_args_from(args), restart=args.restart_worker, on_fatal=on_fatal,
-                                  ready_timeout=args.worker_ready_timeout)
+                                  ready_timeout=args.worker_ready_timeout, torch_threads=args.torch_threads)
     state = ServerState(tokenizer=tokenizer, supervisor=supervisor, metrics=None,
                         served_model_names=args.served_model_name or [str(args.model_dir)], api_keys=args.api_key)
     state.metrics = ServerMetrics(lambda: supervisor.client.stats, supervisor.is_running)
