@@ -286,3 +286,28 @@ def test_engine_rejects_beams_that_cannot_fit(tiny_llama_dir):
     assert not e.requests and not e.has_unfinished_requests()
     e.add_request("ok", _prompt(8, 0), _beam(2, max_tokens=4))
     assert len(_run(e)["ok"].outputs) == 2
+
+
+def test_generate_command_beam_search(tiny_llama_dir, capsys):
+    import argparse
+    import json
+
+    from radixkv.engine import generate_cmd
+
+    p = argparse.ArgumentParser()
+    generate_cmd.add_arguments(p)
+    common = [str(tiny_llama_dir), "--prompt", "Hello there, how are you today?", "--max-tokens", "6",
+              "--device", "cpu", "--num-blocks", "64", "--block-size", "4"]
+    args = p.parse_args(common + ["--beam-width", "3", "--n", "2", "--length-penalty", "0.5", "--early-stopping",
+                                  "true", "--json"])
+    assert generate_cmd.main(args) == 0
+    [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    got = json.loads(line)
+    llm = LLM(str(tiny_llama_dir), device="cpu", num_blocks=64, block_size=4)
+    ref = llm.generate("Hello there, how are you today?",
+                       SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=6, length_penalty=0.5,
+                                      early_stopping=True))[0]
+    assert [o["token_ids"] for o in got["outputs"]] == [c.token_ids for c in ref.outputs]
+    assert got["blocks_held"] == ref.blocks_held < got["blocks_without_sharing"] == ref.blocks_without_sharing
+    assert generate_cmd.main(p.parse_args(common + ["--beam-width", "2", "--top-p", "0.5"])) == 2
+    assert "top_p" in capsys.readouterr().err

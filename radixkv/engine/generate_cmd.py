@@ -26,6 +26,11 @@ def add_arguments(p) -> None:
     s.add_argument("--presence-penalty", type=float, default=0.0)
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--logprobs", type=int, default=None)
+    s.add_argument("--best-of", type=int, default=None, help="samples drawn; the --n most likely are printed")
+    b = p.add_argument_group("beam search")
+    b.add_argument("--beam-width", type=int, default=None, help="beam search with this many beams (--n best printed)")
+    b.add_argument("--length-penalty", type=float, default=1.0)
+    b.add_argument("--early-stopping", default="false", choices=("false", "true", "never"))
     e = p.add_argument_group("engine")
     e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     e.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
@@ -49,11 +54,15 @@ def main(args) -> int:
     from radixkv.engine.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    beam = args.beam_width is not None
+    early = {"false": False, "true": True, "never": "never"}[args.early_stopping]
     params = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
-        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty, logprobs=args.logprobs,
+        n=args.n, best_of=args.best_of, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty, logprobs=args.logprobs,
+        use_beam_search=beam, beam_width=args.beam_width,
+        length_penalty=args.length_penalty if beam else 1.0, early_stopping=early if beam else False,
     )
     try:
         params.validate()
@@ -72,6 +81,10 @@ def main(args) -> int:
             print(json.dumps({
                 "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
                 "num_cached_tokens": out.num_cached_tokens,
+                "num_computed_prompt_tokens": out.num_computed_prompt_tokens,
+                "blocks_held": out.blocks_held, "blocks_without_sharing": out.blocks_without_sharing,
+                "block_steps_held": out.block_steps_held,
+                "block_steps_without_sharing": out.block_steps_without_sharing,
                 "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                              "finish_reason": c.finish_reason, "cumulative_logprob": c.cumulative_logprob}
                             for c in out.outputs],
@@ -81,7 +94,10 @@ def main(args) -> int:
             tag = f" [{c.index}]" if len(out.outputs) > 1 else ""
             print(f"--- prompt{tag}: {out.prompt!r} ({len(out.prompt_token_ids)} tokens, "
                   f"{out.num_cached_tokens} cached)")
-            print(f"{c.text}\n--- finish: {c.finish_reason}, {len(c.token_ids)} tokens")
+            print(f"{c.text}\n--- finish: {c.finish_reason}, {len(c.token_ids)} tokens, "
+                  f"cumulative logprob {c.cumulative_logprob:.3f}")
+        if len(out.outputs) > 1 or out.blocks_held < out.blocks_without_sharing:
+            print(f"--- KV blocks at peak: {out.blocks_held} held, {out.blocks_without_sharing} without sharing")
     m = llm.engine.metrics()
     print(f"steps {m['steps']}, preemptions {m['preemptions']}, cached prompt tokens {m['cached_prompt_tokens']}",
           file=sys.stderr)
