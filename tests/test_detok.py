@@ -140,15 +140,23 @@ def test_no_match_before_min_tokens():
 @settings(max_examples=200, deadline=None)
 @given(st.text("abc", max_size=30), st.lists(st.text("abc", min_size=1, max_size=3), min_size=1, max_size=3),
        st.integers(0, 2**31))
-def test_stop_matcher_equals_cutting_the_whole_text(text, stops, seed):
+def test_stop_matcher_equals_cutting_the_text_where_generation_stops(text, stops, seed):
     rng = random.Random(seed)
     pieces, i = [], 0
     while i < len(text):
         k = rng.randint(1, 4)
         pieces.append(text[i : i + k])
         i += k
-    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    expected = (text[: min(cuts)], True) if cuts else (text, False)
+    # Generation stops after the first delta whose arrival completes a stop string; the
+    # output is cut at the earliest stop string in the text so far. A longer stop string
+    # that starts earlier but would only complete later never gets the chance.
+    expected, seen = (text, False), ""
+    for piece in pieces:
+        seen += piece
+        cuts = [i for i in (seen.find(s) for s in stops) if i >= 0]
+        if cuts:
+            expected = (seen[: min(cuts)], True)
+            break
     assert feed_all(StopStringMatcher(stops), pieces) == expected
 
 
