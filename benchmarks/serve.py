@@ -194,6 +194,15 @@ def main(args) -> int:
     (out / f"{stem}.json").write_text(json.dumps({"summary": summary, "requests": [asdict(r) for r in results]},
                                                  indent=1) + "\n")
     plot(results, out / f"{stem}.png")
+    ms = {k: {q: v * 1e3 for q, v in summary[k].items()} for k in ("ttft", "tpot", "latency")}
+    (out / f"{stem}.md").write_text(
+        f"# Serving load: {args.workload}\n\n{summary['date']}, model `{model}`, {len(requests)} requests, "
+        f"rate {args.rate or 'all at once'}, concurrency {args.concurrency or 'unlimited'}, scale {args.scale}.\n\n"
+        f"| output tok/s | req/s | failed | hit rate | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 (ms) | latency p50 / p99 (ms) |\n"
+        f"|---:|---:|---:|---:|---|---|---|\n"
+        f"| {summary['output_tok_per_s']:,.0f} | {summary['request_per_s']:.1f} | {summary['failed']} | "
+        f"{(summary['server_hit_rate'] or 0):.1%} | {ms['ttft']['p50']:.0f} / {ms['ttft']['p90']:.0f} / {ms['ttft']['p99']:.0f} | "
+        f"{ms['tpot']['p50']:.1f} / {ms['tpot']['p90']:.1f} | {ms['latency']['p50']:.0f} / {ms['latency']['p99']:.0f} |\n")
     print(json.dumps(summary, indent=1))
     return 0 if summary["failed"] == 0 else 1
 
