@@ -121,19 +121,24 @@ class Engine:
         rows = self.tables.sync([(s.seq_id, table(s.seq_id), s.num_computed_tokens) for s, _ in scheduled])
         batch, logits = self.runner.execute(scheduled, self.tables, rows, self.cache.take_copy_ops())
         self.counters["steps"] += 1
-        prompt_computed = 0
+        prompt_computed, multi, B = 0, {}, self.block_size
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             self.cache.mark_computed(seq.seq_id, n)
-            seq.num_computed_tokens = start + n
-            if start < seq.num_prompt_tokens:
-                k = min(start + n, seq.num_prompt_tokens) - start
-                seq.request.num_computed_prompt_tokens += k
+            end = seq.num_computed_tokens = start + n
+            req = seq.request
+            if start < len(req.prompt_token_ids):
+                k = min(end, len(req.prompt_token_ids)) - start
+                req.num_computed_prompt_tokens += k
                 prompt_computed += k
+            if len(req.seqs) == 1:  # what this step held; inline: most requests have one sequence
+                req.sharing.add_alone(-(-end // B))
+            else:
+                multi[id(req)] = req
         self.counters["computed_tokens"] += len(batch.input_ids)
         self.counters["computed_prompt_tokens"] += prompt_computed
-        for req in {id(s.request): s.request for s, _ in scheduled}.values():  # what this step held
-            req.record_blocks(self.cache, self.block_size)
+        for req in multi.values():
+            req.record_blocks(self.cache, B)
         if logits is not None:
             self._sample(batch.sample_seqs, logits)
 

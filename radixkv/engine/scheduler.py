@@ -122,22 +122,23 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        limit = self.max_num_batched_tokens
+        limit, chunk, reserve, running = self.max_num_batched_tokens, self.max_prefill_chunk, \
+            self.cache.reserve_slots, Status.RUNNING
         beams_done = set()
         for seq in list(self.running):  # a copy: preemption removes from the list
             budget = limit - out.num_batched_tokens
             if budget <= 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted earlier in this step
+            if seq.status is not running:  # preempted earlier in this step
                 continue
             if seq.request.beam is not None:
                 if id(seq.request) not in beams_done:
                     beams_done.add(id(seq.request))
                     self._schedule_beams(seq.request.seqs, budget, out)
                 continue
-            n = self._chunk(seq, budget)
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget, chunk)
             assert n > 0, "a running sequence has nothing to compute"
-            if self._reserve(seq, n, out):
+            if reserve(seq.seq_id, n) == 0 or self._reserve(seq, n, out):
                 out.scheduled.append((seq, n))
                 out.num_batched_tokens += n
         if not out.preempted:  # admitting right after a preemption would only thrash

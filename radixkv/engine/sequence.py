@@ -87,6 +87,13 @@ class BlockSharing:
         self.block_steps_held += held
         self.block_steps_without_sharing += without
 
+    def add_alone(self, blocks: int) -> None:
+        """One sequence: nothing to share within the request."""
+        if blocks > self.peak_held:
+            self.peak_held = self.peak_without_sharing = blocks
+        self.block_steps_held += blocks
+        self.block_steps_without_sharing += blocks
+
 
 @dataclass(eq=False)
 class Request:
@@ -108,10 +115,7 @@ class Request:
         if not live:
             return
         without = sum(-(-s.num_computed_tokens // block_size) for s in live)
-        if len(live) == 1:
-            held = without
-        else:
-            held = len(set().union(*(cache.block_table(s.seq_id) for s in live)))
+        held = without if len(live) == 1 else len(set().union(*(cache.block_table(s.seq_id) for s in live)))
         self.sharing.add(held, without)
 
     @property
