@@ -18,7 +18,7 @@ from radixkv.engine.beam_search import BeamSearch, worst_case_blocks
 from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.model_runner import ModelRunner
-from radixkv.engine.outputs import CompletionOutput, RequestOutput
+from radixkv.engine.outputs import CompletionOutput, RequestOutput, request_output
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
@@ -56,9 +56,11 @@ class Engine:
         self._arrivals = itertools.count()
         self._news: dict[str, Request] = {}  # requests with outputs to report (aborts, between steps)
         self._idle_checked = True
-        # computed_prompt_tokens: prompt positions computed (a prompt shared by n samples counts once)
+        # computed_prompt_tokens: prompt positions computed (a prompt shared by n samples counts once);
+        # block_steps_*: finished requests' block accounting (RequestOutput), summed
         self.counters = dict(prompt_tokens=0, cached_prompt_tokens=0, generation_tokens=0, computed_tokens=0,
-                             computed_prompt_tokens=0, steps=0, requests_finished=0)
+                             computed_prompt_tokens=0, steps=0, requests_finished=0, block_steps_held=0,
+                             block_steps_without_sharing=0)
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -222,44 +224,12 @@ class Engine:
         finished = req.finished
         if finished:
             self.requests.pop(req.request_id, None)
-            self.counters["requests_finished"] += 1
-            self.counters["cached_prompt_tokens"] += req.num_cached_tokens or 0
-        if req.beam is not None:
-            return self._beam_output(req) if finished else None
-        p = req.params
-        seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.index)
-        best_of = p.num_samples > p.n
-        if best_of:  # only the n best, and only at the end
-            if not finished:
-                return None
-            if not req.aborted:
-                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)
-            seqs = seqs[: p.n]
-            for s in seqs:
-                s.num_emitted = 0
-        completions = []
-        for rank, s in enumerate(seqs):
-            out_ids = s.token_ids[s.num_prompt_tokens :]
-            new = out_ids[s.num_emitted :]
-            lps = s.logprobs[s.num_emitted :] if p.logprobs is not None else None
-            s.num_emitted = len(out_ids)
-            completions.append(CompletionOutput(rank if best_of else s.index, new, out_ids, lps, s.finish_reason,
-                                                s.cumulative_logprob))
-        return self._request_output(req, completions, finished)
-
-    def _beam_output(self, req: Request) -> RequestOutput:
-        live = req.seqs if req.aborted else None  # an aborted search also ranks its running beams
-        want_lp = req.params.logprobs is not None
-        completions = [CompletionOutput(rank, list(h.token_ids), list(h.token_ids), h.logprobs if want_lp else None,
-                                        h.finish_reason, h.cumulative_logprob)
-                       for rank, h in enumerate(req.beam.results(req.params.n, live))]
-        return self._request_output(req, completions, True)
-
-    def _request_output(self, req: Request, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
-        sh = req.sharing
-        return RequestOutput(req.request_id, completions, req.prompt_token_ids, req.num_cached_tokens or 0, finished,
-                             None, sh.peak_held, sh.peak_without_sharing, sh.block_steps_held,
-                             sh.block_steps_without_sharing, req.num_computed_prompt_tokens)
+            c = self.counters
+            c["requests_finished"] += 1
+            c["cached_prompt_tokens"] += req.num_cached_tokens or 0
+            c["block_steps_held"] += req.sharing.block_steps_held
+            c["block_steps_without_sharing"] += req.sharing.block_steps_without_sharing
+        return request_output(req, finished)
 
     # ---- introspection ----------------------------------------------------------------
     def metrics(self) -> dict:
@@ -267,6 +237,7 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "beam_reserved_blocks": self.scheduler.beam_blocks,
             **self.counters,
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,

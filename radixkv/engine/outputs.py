@@ -6,6 +6,10 @@ A beam search request reports once, when it finishes: its n best hypotheses, bes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.engine.sequence import Request
 
 
 @dataclass
@@ -40,3 +44,44 @@ class RequestOutput:
     block_steps_held: int = 0
     block_steps_without_sharing: int = 0
     num_computed_prompt_tokens: int = 0  # prompt positions computed for it (once with n > 1; cache hits excluded)
+
+
+def request_output(req: "Request", finished: bool) -> RequestOutput | None:
+    """What `req` reports now: new tokens of each sample; with best_of or beam search, only the n
+    best and only at the end (None before)."""
+    p = req.params
+    if req.beam is not None:
+        if not finished:
+            return None
+        live = req.seqs if req.aborted else None  # an aborted search also ranks its running beams
+        want_lp = p.logprobs is not None
+        completions = [CompletionOutput(rank, list(h.token_ids), list(h.token_ids), h.logprobs if want_lp else None,
+                                        h.finish_reason, h.cumulative_logprob)
+                       for rank, h in enumerate(req.beam.results(p.n, live))]
+        return _with_accounting(req, completions, finished)
+    seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.index)
+    best_of = p.num_samples > p.n
+    if best_of:
+        if not finished:
+            return None
+        if not req.aborted:
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)
+        seqs = seqs[: p.n]
+        for s in seqs:
+            s.num_emitted = 0
+    completions = []
+    for rank, s in enumerate(seqs):
+        out_ids = s.token_ids[s.num_prompt_tokens :]
+        new = out_ids[s.num_emitted :]
+        lps = s.logprobs[s.num_emitted :] if p.logprobs is not None else None
+        s.num_emitted = len(out_ids)
+        completions.append(CompletionOutput(rank if best_of else s.index, new, out_ids, lps, s.finish_reason,
+                                            s.cumulative_logprob))
+    return _with_accounting(req, completions, finished)
+
+
+def _with_accounting(req: "Request", completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+    sh = req.sharing
+    return RequestOutput(req.request_id, completions, req.prompt_token_ids, req.num_cached_tokens or 0, finished,
+                         None, sh.peak_held, sh.peak_without_sharing, sh.block_steps_held,
+                         sh.block_steps_without_sharing, req.num_computed_prompt_tokens)
