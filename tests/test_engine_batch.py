@@ -50,6 +50,22 @@ def test_block_table_rows_refresh_only_what_can_change():
     assert t.table[r2, :3].tolist() == [4, 8, 9]
 
 
+def test_warmup_steps_write_nothing_to_the_cache(tiny_llama_dir):
+    """The start-up warm-up (run on CUDA) attends over scratch inputs; the cache stays as it was."""
+    import torch
+
+    from radixkv.engine.config import EngineConfig
+    from radixkv.engine.engine import Engine
+
+    e = Engine(EngineConfig(model_dir=str(tiny_llama_dir), device="cpu", block_size=16, num_blocks=64,
+                            max_num_seqs=70, max_num_batched_tokens=200))
+    kv = e.runner.kv_cache
+    kv.normal_(generator=torch.Generator().manual_seed(0))
+    before = kv.clone()
+    e.runner._warmup()
+    assert torch.equal(kv, before)
+
+
 def test_generate_command(tiny_llama_dir, capsys):
     import argparse
 

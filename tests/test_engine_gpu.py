@@ -27,7 +27,9 @@ LLAMA3_8B = dict(
 )
 
 
-SHAPE, DEVICE, BACKEND, ENGINE_ARGS = LLAMA3_8B, "cuda", "triton", {}
+# shared-prefix attention is off by default: the engine under test has it (and its graphs),
+# and tests switch it per step by taking the runner's prefix groups away
+SHAPE, DEVICE, BACKEND, ENGINE_ARGS = LLAMA3_8B, "cuda", "triton", {"enable_shared_prefix_attention": True}
 
 
 def _token(rng):
@@ -192,6 +194,16 @@ def test_cuda_graph_decode_matches_eager(engine8b):
         _drain(e)
 
 
+def _decode_batch(e):
+    """The next decode step's batch, its slots reserved as the engine would (not run: each test
+    runs it as often as it likes; every run rewrites the same slots)."""
+    scheduled = e.scheduler.schedule().scheduled
+    assert scheduled and all(n == 1 for _, n in scheduled)
+    table = e.cache.block_table
+    rows = e.tables.sync([(s.seq_id, table(s.seq_id), s.num_computed_tokens) for s, _ in scheduled])
+    return scheduled, rows
+
+
 def _graph_vs_eager(e, rng, ids):
     for rid in ids:
         e.add_request(rid, [_token(rng) for _ in range(rng.randrange(20, 400))],
@@ -200,9 +212,8 @@ def _graph_vs_eager(e, rng, ids):
         e.step()
     for _ in range(3):
         e.step()
-    running = list(e.scheduler.running)
-    scheduled = [(s, 1) for s in running]
-    rows = e.tables.sync([(s.seq_id, e.cache.block_table(s.seq_id), s.num_computed_tokens) for s in running])
+    scheduled, rows = _decode_batch(e)
+    running = [s for s, _ in scheduled]
     graphs = e.runner.graphs
     with torch.inference_mode():
         _, graph_logits = e.runner.execute(scheduled, e.tables, rows, [])
@@ -268,9 +279,8 @@ def test_shared_prefix_graph_matches_plain(engine8b):
 
 
 def _shared_vs_plain(e, graphs):
-    running = list(e.scheduler.running)
-    scheduled = [(s, 1) for s in running]
-    rows = e.tables.sync([(s.seq_id, e.cache.block_table(s.seq_id), s.num_computed_tokens) for s in running])
+    scheduled, rows = _decode_batch(e)
+    running = [s for s, _ in scheduled]
     r = e.runner
     groups = r.prefix_groups
 
@@ -294,11 +304,16 @@ def _shared_vs_plain(e, graphs):
         return (time.perf_counter() - t0) / 5 * 1e3
 
     plain, shared, eager = execute(False, True), execute(True, True), execute(True, False)
+    plain_eager = execute(False, False)
     top1 = lambda a: float((a.argmax(-1) == plain.argmax(-1)).float().mean())  # noqa: E731
+    row_err = lambda a: ((a - plain).norm(dim=-1) / plain.norm(dim=-1))  # noqa: E731
     g = groups.current
     figures = dict(batch=len(running), groups=g.num_groups, saved_tokens=g.saved_tokens,
-                   rel_err_graph=_rel(shared, plain), rel_err_eager=_rel(eager, plain), top1_graph=top1(shared),
-                   top1_eager=top1(eager), plain_step_ms=timed(False), shared_step_ms=timed(True))
+                   shared_len=g.max_shared_len, rel_err_graph=_rel(shared, plain), rel_err_eager=_rel(eager, plain),
+                   shared_graph_vs_eager=_rel(shared, eager), plain_graph_vs_eager=_rel(plain_eager, plain),
+                   worst_row_graph=float(row_err(shared).max()), rows_over_0p1=int((row_err(shared) > 0.1).sum()),
+                   top1_graph=top1(shared), top1_eager=top1(eager), plain_step_ms=timed(False),
+                   shared_step_ms=timed(True))
     _report("shared_prefix_vs_plain", **figures)
     # bf16 with a different summation order: the size of graph-vs-eager differences (~3e-2)
     assert figures["rel_err_graph"] < 0.1 and figures["rel_err_eager"] < 0.1
@@ -306,11 +321,22 @@ def _shared_vs_plain(e, graphs):
 
 
 @pytest.mark.parametrize("num_requests", [256])
-def test_shared_prompt_workload(engine8b, num_requests):
+@pytest.mark.parametrize("attention", ["plain", "shared_prefix"])
+def test_shared_prompt_workload(engine8b, num_requests, attention):
     """DESIGN 7: N x (1,024 shared + 128 unique) prompt tokens, 128 output tokens, greedy, EOS ignored."""
     e = engine8b
+    groups = e.runner.prefix_groups
+    if attention == "plain":
+        e.runner.prefix_groups = None
+    try:
+        _workload(e, num_requests, attention)
+    finally:
+        e.runner.prefix_groups = groups
+
+
+def _workload(e, num_requests, attention):
     e.cache.reset_prefix_cache()
-    rng = random.Random(num_requests)
+    rng = random.Random(num_requests + (1 if attention == "plain" else 0))  # a fresh system prompt per run
     system = [_token(rng) for _ in range(1024)]
     prompts = [system + [_token(rng) for _ in range(128)] for _ in range(num_requests)]
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
@@ -334,8 +360,8 @@ def test_shared_prompt_workload(engine8b, num_requests):
     m = e.metrics()
     produced = sum(len(o.outputs[0].token_ids) for o in finished.values())
     cached = sum(o.num_cached_tokens for o in finished.values())
-    _report("shared_prompt_workload", requests=num_requests, seconds=elapsed, output_tokens=produced,
-            output_tok_per_s=produced / elapsed, first_token_s=first_token_at, steps=steps,
+    _report("shared_prompt_workload", attention=attention, requests=num_requests, seconds=elapsed,
+            output_tokens=produced, output_tok_per_s=produced / elapsed, first_token_s=first_token_at, steps=steps,
             computed_tokens=m["computed_tokens"] - before["computed_tokens"], cached_prompt_tokens=cached,
             preemptions=m["preemptions"] - before["preemptions"], num_blocks=e.num_blocks, shared_steps=shared_steps)
     assert len(finished) == num_requests and produced == num_requests * 128

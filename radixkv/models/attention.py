@@ -74,8 +74,10 @@ class PagedAttention(nn.Module):
             assert meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0], "prefix groups: decode only"
             if self._shared_prefix_decode is None:
                 self._shared_prefix_decode = shared_prefix_op(self.backend)
-            return self._shared_prefix_decode(q, self.k_cache, self.v_cache, meta.prefix_groups, meta.block_tables,
-                                              meta.seq_lens, scale=self.scale, max_private_len=meta.max_private_len)
+            # q as its kernels were validated on the GPU with: contiguous rows (2 MB per layer at 256)
+            return self._shared_prefix_decode(q.contiguous(), self.k_cache, self.v_cache, meta.prefix_groups,
+                                              meta.block_tables, meta.seq_lens, scale=self.scale,
+                                              max_private_len=meta.max_private_len)
         return self.paged_attention(
             q,
             self.k_cache,
