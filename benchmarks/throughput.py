@@ -21,6 +21,7 @@ import argparse
 import gc
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -269,8 +270,7 @@ def main(args) -> int:
                     r[f"x_{peer['system']}"] = r["output_tok_per_s"] / peer["output_tok_per_s"]
     date = time.strftime("%Y-%m-%d")
     result = {"date": date, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "hardware": hw,
-              "rows": rows, "command": "radixkv bench throughput " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                                                                           vars(args).items() if k != "out")}
+              "rows": rows, "command": "python3 -m benchmarks.throughput " + " ".join(sys.argv[1:])}
     (out_dir / "throughput.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["| system | workload | requests | output tok/s | seconds | x floor | x floor (shared once) | vs HF generate | peak GiB |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]

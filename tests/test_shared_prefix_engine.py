@@ -58,8 +58,8 @@ def test_engine_with_shared_prefix_attention_matches_plain(tiny_llama_dir):
     prompts.append([rng.randrange(3, 2048) for _ in range(19)])  # shares nothing: private from token 0
     common = dict(model_dir=str(tiny_llama_dir), device=DEVICE, dtype="float32", attention_backend="triton",
                   block_size=BS, num_blocks=160, max_num_seqs=8, max_num_batched_tokens=64)
-    plain = Engine(EngineConfig(**common))
-    assert plain.runner.prefix_groups is None  # off by default
+    plain = Engine(EngineConfig(**common, enable_shared_prefix_attention=False))
+    assert plain.runner.prefix_groups is None
     want, none_shared, _ = _run(plain, prompts)
     assert none_shared == 0
     shared = Engine(EngineConfig(**common, enable_shared_prefix_attention=True, shared_prefix_min_saved_tokens=1))
