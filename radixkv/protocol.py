@@ -36,6 +36,10 @@ class SamplingOptions(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: Union[int, None] = None  # None: off; k: the sampled token's logprob plus the top k
+    use_beam_search: bool = False
+    beam_width: Union[int, None] = None
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
 
 
 # ---- front -> worker -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 from test_server_harness import running_server, wait_for
@@ -120,6 +121,20 @@ def test_n2_greedy_and_seeded(server, client, llm, tokenizer):
         for ch in c.choices:
             texts[ch.index] += ch.delta.content or ""
     assert texts[0] == texts[1]
+
+
+def test_beam_search_equals_offline_llm(server, client, llm, tokenizer):
+    from radixkv.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(n=2, use_beam_search=True, beam_width=3, length_penalty=0.7, max_tokens=6)
+    ref = llm.generate(PROMPT, params)[0]
+    r = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=6, n=2,
+                                  extra_body={"use_beam_search": True, "beam_width": 3, "length_penalty": 0.7})
+    want = [tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in ref.outputs]
+    assert [c.text for c in r.choices] == want
+    with pytest.raises(openai.BadRequestError, match="use_beam_search"):
+        client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4, stream=True,
+                                  extra_body={"use_beam_search": True})
 
 
 def test_prefix_cache_hits_show_in_usage_and_are_salted(server, client):

@@ -85,6 +85,11 @@ def build_sampling(req, max_tokens: int, logprobs: int | None) -> P.SamplingOpti
             raise bad_request("best_of", f"must be >= n ({req.n}), got {best_of}")
         if req.stream and best_of > req.n:
             raise bad_request("best_of", "streaming is not supported when best_of > n")
+    beam = getattr(req, "use_beam_search", False)
+    if beam and req.stream:
+        raise bad_request("use_beam_search", "streaming is not supported with beam search (beams are ranked at the end)")
+    beam_fields = dict(use_beam_search=True, beam_width=req.beam_width, length_penalty=req.length_penalty,
+                       early_stopping=req.early_stopping) if beam else {}
     return P.SamplingOptions(
         n=req.n,
         best_of=best_of,
@@ -101,6 +106,7 @@ def build_sampling(req, max_tokens: int, logprobs: int | None) -> P.SamplingOpti
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        **beam_fields,
     )
 
 
