@@ -97,22 +97,23 @@ def _sampled_lengths(rng, short: bool) -> tuple[int, int]:
     return _lognormal(rng, 160, 1.0, 4, 1024), _lognormal(rng, 330, 0.8, 4, 1024)  # ShareGPT-like
 
 
-def parallel_sampling(n=4, num_requests=128, short=False, vocab=2048, seed=0) -> Workload:
+def _sampled_requests(num_requests, short, vocab, seed, **fields) -> list[Request]:
     rng = random.Random(seed)
     reqs = []
     for _ in range(num_requests):
         p, o = _sampled_lengths(rng, short)
-        reqs.append(Request(_tokens(rng, p, vocab), _tokens(rng, o, vocab), n=n))
-    return Workload(f"parallel_sampling_n{n}", reqs, dict(n=n, num_requests=num_requests, short=short, seed=seed))
+        reqs.append(Request(_tokens(rng, p, vocab), _tokens(rng, o, vocab), **fields))
+    return reqs
+
+
+def parallel_sampling(n=4, num_requests=128, short=False, vocab=2048, seed=0) -> Workload:
+    return Workload(f"parallel_sampling_n{n}", _sampled_requests(num_requests, short, vocab, seed, n=n),
+                    dict(n=n, num_requests=num_requests, short=short, seed=seed))
 
 
 def beam_search(width=4, num_requests=128, short=False, vocab=2048, seed=0) -> Workload:
-    rng = random.Random(seed)
-    reqs = []
-    for _ in range(num_requests):
-        p, o = _sampled_lengths(rng, short)
-        reqs.append(Request(_tokens(rng, p, vocab), _tokens(rng, o, vocab), beam_width=width))
-    return Workload(f"beam_search_w{width}", reqs, dict(width=width, num_requests=num_requests, short=short, seed=seed))
+    return Workload(f"beam_search_w{width}", _sampled_requests(num_requests, short, vocab, seed, beam_width=width),
+                    dict(width=width, num_requests=num_requests, short=short, seed=seed))
 
 
 def multi_turn(num_conversations=32, turns=6, system_len=512, message_len=64, answer_len=200, vocab=2048,
