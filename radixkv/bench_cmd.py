@@ -11,6 +11,7 @@ from pathlib import Path
 
 BENCHMARKS = {
     "memory": ("benchmarks.memory", "memory accounting of paging and sharing per workload and block size (CPU)"),
+    "sharing": ("benchmarks.sharing", "memory saved by parallel sampling and beam search, measured in the engine (CPU)"),
     "cache-ops": ("benchmarks.cache_ops", "cache manager operations per second on a shared-prompt trace (CPU)"),
     "kernels": ("benchmarks.kernels", "paged attention kernels vs contiguous SDPA (GPU)"),
     "throughput": ("benchmarks.throughput", "engine throughput vs HF transformers on one GPU"),

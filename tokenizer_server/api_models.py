@@ -90,7 +90,7 @@ class CompletionRequest(_SamplingRequest):
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     # beam search (an extra, as vLLM had it): the n best of beam_width beams
     use_beam_search: bool = False
-    beam_width: Optional[int] = Field(None, ge=1, le=MAX_N)
+    beam_width: Optional[int] = Field(None, ge=2, le=MAX_N)
     length_penalty: float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
 
