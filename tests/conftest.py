@@ -49,3 +49,15 @@ def tiny_qwen3_dir(tmp_path_factory):
     from radixkv.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine the idle
+    threads spin: one thread keeps a module's CPU time small and steady."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -29,14 +29,7 @@ SETUP = {"tiny_llama_dir": (1, 1), "tiny_qwen3_dir": (1, 3)}
 SETTINGS = [(lp, es) for lp in (1.0, 2.0, -0.5) for es in (False, True, "never")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine the idle
-    threads spin: one thread keeps these tests' CPU time small and steady."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompt(n, seed):

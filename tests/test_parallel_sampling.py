@@ -5,7 +5,6 @@ matches what fork + copy-on-write must hold."""
 import random
 
 import pytest
-import torch
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
@@ -14,14 +13,7 @@ from radixkv.engine.sampling_params import SamplingParams
 B = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine the idle
-    threads spin: one thread keeps these tests' CPU time small and steady."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _engine(model_dir, **kw):
