@@ -38,10 +38,9 @@ DTYPE = torch.bfloat16
 DEV = "cuda"
 DEADLINE = float("inf")  # perf_counter() after which the sweep stops (set by --budget-s)
 _C = SharedPrefixConfig  # variations around the defaults
-SWEEP = [_C(overlap=False), _C(block_m=64, num_warps=4), _C(shared_split_len=0),
-         _C(shared_split_len=512), _C(shared_split_len=2048), _C(block_n=128), _C(num_stages=3),
-         _C(private_block_n=32), _C(private_block_n=128), _C(private_num_warps=2),
-         _C(private_num_warps=8)]
+SWEEP = [_C(streams=True), _C(overlap=False), _C(private_rows=2), _C(private_rows=4),
+         _C(private_block_n=64), _C(num_warps=8), _C(num_stages=3), _C(shared_split_len=512),
+         _C(shared_split_len=2048)]
 
 
 def timeit(fn) -> float:

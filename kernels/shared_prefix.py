@@ -23,13 +23,15 @@ API
 - Result: softmax(q K^T * scale) V over each row's whole context, exactly as plain paged
   attention over the row's own table would give when the segments hold the same KV.
 
-How: the shared kernel, one program per (group x tile of members, kv head, KV split),
-loads each shared K/V tile once and runs it against members x q-per-kv query rows with
-tl.dot, writing a partial output and log-sum-exp (lse) per row. The private kernel, one
-program per (kv head, row), attends to the row's private part. They run side by side on
-two streams (one is bound by tensor cores, the other by bandwidth) and a third launch
-merges the partials by lse; with config overlap=False the private kernel merges instead.
-No host sync: CUDA-graph capturable (the side stream forks from and joins the caller's)
+How: a shared program, one per (group x tile of members, kv head, KV split), loads each
+shared K/V tile once and runs it against members x q-per-kv query rows with tl.dot,
+writing a partial output and log-sum-exp (lse) per row. A private program, one per (kv
+head, a few rows), attends to the rows' private parts (each step gathers keys of every
+row; a block-diagonal mask keeps rows apart). Both kinds run in one launch, so the shared
+ones (bound by tensor cores) and the private ones (bound by bandwidth) share the SMs; a
+second launch merges the partials by lse. Config streams=True runs them as two kernels on
+two streams instead; overlap=False runs the shared programs first and lets the private
+ones merge. No host sync: CUDA-graph capturable (a side stream forks from and joins the caller's)
 for fixed shapes and host ints; groups.padded(num_groups=, num_members=, num_levels=,
 max_members=, max_shared_len=) gives any batch's groups the shapes of a captured graph.
 
@@ -53,7 +55,7 @@ from kernels.attention_config import num_sms
 from kernels.runtime import ensure_runnable, next_pow2
 from kernels.shared_prefix_derive import derive_groups
 from kernels.shared_prefix_groups import PrefixGroups, check_decode
-from kernels.shared_prefix_triton import _combine_kernel, _private_kernel, _shared_kernel
+from kernels.shared_prefix_triton import _cascade_kernel, _combine_kernel
 
 __all__ = ["PrefixGroups", "SharedPrefixConfig", "derive_groups", "shared_prefix_decode",
            "shared_prefix_decode_ref"]
@@ -68,23 +70,25 @@ class SharedPrefixConfig:
     # Defaults: the fastest of a sweep on an H200 (benchmarks/results/shared_prefix.md).
     block_m: int = 128           # shared tile rows: members x q-per-kv, padded (power of 2, >= 16)
     block_n: int = 64            # shared KV tokens per loop step (power of 2, >= 16)
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
     shared_split_len: int = 1024  # shared KV tokens per program; 0: enough splits to fill the GPU
-    private_block_n: int = 64    # private KV tokens per loop step
+    private_block_n: int = 128   # private KV tokens per loop step (all rows of a program)
     private_split_len: int = 0   # private KV tokens per program; 0: split only small batches
     private_num_warps: int = 4
-    # With shared work, run the shared kernel (tensor-core bound) on a side stream next to
-    # the private one (bandwidth bound) and merge both in a third launch; False: one stream,
-    # the private kernel merges the shared partials itself.
+    private_rows: int = 0        # batch rows per private program; 0: enough for 32 tile rows
+    # With shared work, run the shared programs (tensor-core bound) next to the private ones
+    # (bandwidth bound) and merge both in a second launch; False: shared, then private
+    # programs that merge the shared partials themselves.
     overlap: bool = True
+    streams: bool = False        # overlap as two kernels on two streams, not one launch
 
     def validate(self):
         for name in ("block_m", "block_n", "private_block_n"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"config.{name}: must be a power of two >= 16, got {v!r}")
-        for name in ("shared_split_len", "private_split_len", "num_stages"):
+        for name in ("shared_split_len", "private_split_len", "num_stages", "private_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (name == "num_stages"):
                 raise ValueError(f"config.{name}: expected a non-negative int, got {v!r}")
@@ -92,8 +96,12 @@ class SharedPrefixConfig:
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"config.{name}: expected 1, 2, 4, 8 or 16, got "
                                  f"{getattr(self, name)!r}")
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"config.overlap: expected a bool, got {self.overlap!r}")
+        if self.private_rows & (self.private_rows - 1) or self.private_rows > self.private_block_n:
+            raise ValueError(f"config.private_rows: 0 or a power of two <= private_block_n, got "
+                             f"{self.private_rows!r}")
+        for name in ("overlap", "streams"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,7 +137,7 @@ def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *,
     cfg.validate()
     if q.dtype == torch.float64:
         raise ValueError("q: float64 is reference-only; use shared_prefix_decode_ref")
-    ensure_runnable("shared_prefix_decode", _shared_kernel, q.device)
+    ensure_runnable("shared_prefix_decode", _cascade_kernel, q.device)
     out = torch.empty_like(q) if out is None else out
     batch, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -151,55 +159,61 @@ def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *,
     if shared:
         s_splits, s_len = _splits(groups.max_shared_len, cfg.shared_split_len, cfg.block_n,
                                   groups.num_groups * tiles * kv_heads, sms)
-    # Shared partials [split, member slot, head, d] and their lse, fp32.
-    po = torch.empty((s_splits, max(n_members, 1), num_heads, head_dim), dtype=torch.float32,
-                     device=dev)
-    plse = torch.empty((s_splits, max(n_members, 1), num_heads), dtype=torch.float32, device=dev)
-    common = (*po.stride()[:3], *plse.stride()[:2])
-    kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
-    overlap = shared and cfg.overlap
-    side = main = None
-    if overlap and dev.type == "cuda":  # fork: the side stream starts after all inputs
-        main, side = torch.cuda.current_stream(dev), _side_stream(dev.index)
-        side.wait_stream(main)
-    if shared:
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _shared_kernel[(groups.num_groups * tiles, kv_heads, s_splits)](
-                q, k_cache, v_cache, groups.block_tables, groups.shared_lens, groups.cu_members,
-                groups.members, po, plse, q.stride(0), q.stride(1), *kv_strides,
-                groups.block_tables.stride(0), *common, qk_scale, s_len,
-                TILES=tiles, QPK=qpk, TILE_MEMBERS=tile_members, BLOCK_M=block_m,
-                BLOCK_N=cfg.block_n, BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-                DOT=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if max_private_len is not None and (isinstance(max_private_len, bool)
                                         or not isinstance(max_private_len, int) or max_private_len < 1):
         raise ValueError(f"max_private_len: expected a positive int, got {max_private_len!r}")
     bound = block_tables.shape[1] * block_size if max_private_len is None else max_private_len
+    p_rows = cfg.private_rows or max(1, min(32 // qpk, cfg.private_block_n // 16))
+    p_tiles = _cdiv(batch, p_rows)
     p_splits, p_len = _splits(max(bound, 1), cfg.private_split_len, cfg.private_block_n,
-                              batch * kv_heads, sms)
-    fuse = p_splits == 1 and not overlap
+                              p_tiles * kv_heads, sms)
+    overlap = shared and cfg.overlap
+    fuse = p_splits == 1 and not overlap  # the private programs merge the shared partials
+    # Partials, fp32: shared [split, member slot, head, d] and lse; private [split, row, head, d].
+    po = torch.empty((s_splits, max(n_members, 1), num_heads, head_dim), dtype=torch.float32,
+                     device=dev)
+    plse = torch.empty((s_splits, max(n_members, 1), num_heads), dtype=torch.float32, device=dev)
     shape = (p_splits, batch, num_heads) if not fuse else (1, 1, 1)
     xo = torch.empty(shape + (head_dim,), dtype=torch.float32, device=dev)
     xlse = torch.empty(shape, dtype=torch.float32, device=dev)
     slots = groups.seq_slots if levels else groups.private_start  # not read when levels == 0
-    block_h = max(16, next_pow2(qpk))
-    _private_kernel[(kv_heads, batch, p_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, groups.private_start, slots,
-        po, plse, out, xo, xlse, q.stride(0), q.stride(1), *kv_strides,
-        block_tables.stride(0), slots.stride(0), *common, out.stride(0), out.stride(1),
-        *xo.stride()[:3], *xlse.stride()[:2], qk_scale, p_len,
-        QPK=qpk, BLOCK_H=block_h, BLOCK_N=cfg.private_block_n, BLOCK_D=block_d,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT=dot, LEVELS=levels,
-        SHARED_SPLITS=s_splits, FUSE=fuse, num_warps=cfg.private_num_warps,
-        num_stages=cfg.num_stages)
-    if side is not None:  # join before the merge reads the shared partials
-        main.wait_stream(side)
+    n_shared = groups.num_groups * tiles * kv_heads * s_splits if shared else 0
+    n_private = kv_heads * p_tiles * p_splits
+
+    def launch(first, count, with_shared, with_private, num_warps):
+        _cascade_kernel[(count,)](
+            q, k_cache, v_cache, groups.block_tables, groups.shared_lens, groups.cu_members,
+            groups.members, block_tables, seq_lens, groups.private_start, slots, po, plse, out,
+            xo, xlse, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            groups.block_tables.stride(0), block_tables.stride(0), slots.stride(0),
+            *po.stride()[:3], *plse.stride()[:2], out.stride(0), out.stride(1),
+            *xo.stride()[:3], *xlse.stride()[:2], qk_scale, s_len, p_len, batch, first, n_shared,
+            groups.num_groups * tiles, kv_heads, s_splits, p_tiles, p_splits,
+            SHARED=with_shared, PRIVATE=with_private, TILES=tiles, QPK=qpk,
+            TILE_MEMBERS=tile_members, BLOCK_M=block_m, S_BLOCK_N=cfg.block_n, ROWS=p_rows,
+            BLOCK_H=max(16, next_pow2(p_rows * qpk)), P_BLOCK_N=cfg.private_block_n,
+            BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT=dot, LEVELS=levels,
+            SHARED_SPLITS=s_splits, FUSE=fuse, num_warps=num_warps, num_stages=cfg.num_stages)
+
+    if overlap and not cfg.streams:  # one launch: both kinds of program share the GPU
+        launch(0, n_shared + n_private, True, True, cfg.num_warps)
+    else:
+        side = main = None
+        if overlap and dev.type == "cuda":  # fork: the side stream starts after all inputs
+            main, side = torch.cuda.current_stream(dev), _side_stream(dev.index)
+            side.wait_stream(main)
+        if shared:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                launch(0, n_shared, True, False, cfg.num_warps)
+        launch(n_shared, n_private, False, True, cfg.private_num_warps)
+        if side is not None:  # join before the merge reads the shared partials
+            main.wait_stream(side)
     if not fuse:
-        _combine_kernel[(kv_heads, batch)](
-            slots, po, plse, xo, xlse, out, slots.stride(0), *common, *xo.stride()[:3],
-            *xlse.stride()[:2], out.stride(0), out.stride(1),
-            QPK=qpk, BLOCK_H=block_h, BLOCK_D=block_d, HEAD_DIM=head_dim, LEVELS=levels,
-            SHARED_SPLITS=s_splits, PRIVATE_SPLITS=p_splits, num_warps=4)
+        _combine_kernel[(batch,)](
+            slots, po, plse, xo, xlse, out, slots.stride(0), *po.stride()[:3], *plse.stride()[:2],
+            *xo.stride()[:3], *xlse.stride()[:2], out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, BLOCK_H=max(16, next_pow2(num_heads)), BLOCK_D=block_d,
+            HEAD_DIM=head_dim, LEVELS=levels, SHARED_SPLITS=s_splits, PRIVATE_SPLITS=p_splits, num_warps=4)
     return out
 
 

@@ -10,33 +10,74 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_step(q, acc, m_i, l_i, k_ptr, v_ptr, table, tok, end, own, kvh,
+                 stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, qk_scale,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 DOT: tl.constexpr, MASKED: tl.constexpr, OWN: tl.constexpr):
+    """One online-softmax step of the rows of q over the keys at positions tok [N] (table:
+    the block-id pointer of each key's sequence, or one for all). MASKED: keys at or past
+    end are dropped (else all are live, and the loads stay unpredicated); OWN: the score
+    mask own [M, N] says which keys each query row may see."""
+    offs_d = tl.arange(0, BLOCK_D)
+    if MASKED:
+        n_ok = tok < end
+        blk = tl.load(table + tok // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(table + tok // BLOCK_SIZE).to(tl.int64)
+    off = (tok % BLOCK_SIZE).to(tl.int64)
+    k_ptrs = k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ko + kvh * stride_kh
+    v_ptrs = v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vo + kvh * stride_vh
+    if MASKED:
+        kv_mask = n_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
+        v = tl.load(v_ptrs + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0).to(DOT)
+        v = tl.load(v_ptrs + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0).to(DOT)
+    else:
+        k = tl.load(k_ptrs + offs_d[None, :]).to(DOT)
+        v = tl.load(v_ptrs + offs_d[None, :]).to(DOT)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if OWN:
+        if MASKED:
+            s = tl.where(own & n_ok[None, :], s, float("-inf"))
+        else:
+            s = tl.where(own, s, float("-inf"))
+    elif MASKED:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:  # a row that has seen no live key yet keeps m = -inf: avoid (-inf) - (-inf)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend(q, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, start, end, kvh,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, qk_scale,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             HEAD_DIM: tl.constexpr, DOT: tl.constexpr):
     """Online softmax of the rows of q [M, D] (DOT dtype) over tokens [start, end) of the
-    paged sequence whose block ids start at table_ptr; exp2 domain (qk_scale has log2 e)."""
+    paged sequence whose block ids start at table_ptr; exp2 domain (qk_scale has log2 e).
+    Full tiles first, unmasked; then the partial last tile, if any."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    for t0 in range(start, end, BLOCK_N):
-        tok = t0 + offs_n
-        n_ok = tok < end
-        blk = tl.load(table_ptr + tok // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        off = (tok % BLOCK_SIZE).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ko + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # every tile holds >= 1 live token: finite
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vo + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
-        m_i = m_new
+    end = tl.maximum(end, start)  # a split past a short segment's end is empty
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for t0 in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_step(q, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, t0 + offs_n, end, 0,
+                                     kvh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
+                                     stride_vh, qk_scale, BLOCK_SIZE, BLOCK_D, HEAD_DIM, DOT,
+                                     False, False)
+    for t0 in range(full_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend_step(q, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, t0 + offs_n, end, 0,
+                                     kvh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
+                                     stride_vh, qk_scale, BLOCK_SIZE, BLOCK_D, HEAD_DIM, DOT,
+                                     True, False)
     return acc, m_i, l_i
 
 
@@ -60,114 +101,180 @@ def _finish(acc, m_i, l_i):
 
 
 @triton.jit
-def _shared_kernel(
-    q_ptr, k_ptr, v_ptr, g_tab_ptr, g_len_ptr, cu_ptr, members_ptr, po_ptr, plse_ptr,
-    stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-    stride_gt, stride_pos, stride_pom, stride_poh, stride_pls, stride_plm,
-    qk_scale, split_len,
-    TILES: tl.constexpr, QPK: tl.constexpr, TILE_MEMBERS: tl.constexpr,
+def _shared_program(
+    gt, kvh, split, last_split, q_ptr, k_ptr, v_ptr, g_tab_ptr, g_len_ptr, cu_ptr, members_ptr,
+    po_ptr, plse_ptr, stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
+    stride_vh, stride_gt, stride_pos, stride_pom, stride_poh, stride_pls, stride_plm, qk_scale,
+    split_len, TILES: tl.constexpr, QPK: tl.constexpr, TILE_MEMBERS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr,
 ):
-    # Grid (group x member tile, kv head, KV split): the tile's members x QPK query heads
-    # share every K/V load of the group's segment.
-    g = tl.program_id(0) // TILES
-    first = tl.load(cu_ptr + g) + (tl.program_id(0) % TILES) * TILE_MEMBERS
+    # Program (group x member tile gt, kv head, KV split): the tile's members x QPK query
+    # heads share every K/V load of the group's segment.
+    g = gt // TILES
+    first = tl.load(cu_ptr + g) + (gt % TILES) * TILE_MEMBERS
     last = tl.load(cu_ptr + g + 1)
-    if first >= last:
-        return
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    rows = tl.arange(0, BLOCK_M)
-    slot = first + rows // QPK
-    row_ok = (rows < TILE_MEMBERS * QPK) & (slot < last)
-    head = kvh * QPK + rows % QPK
-    seq = tl.load(members_ptr + slot, mask=row_ok, other=0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + seq[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
-    start = split * split_len
-    g_len = tl.load(g_len_ptr + g)
-    # The last split runs to the end: a host bound that fell short costs balance, not tokens.
-    end = tl.where(split == tl.num_programs(2) - 1, g_len, tl.minimum(start + split_len, g_len))
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr, v_ptr, g_tab_ptr + g.to(tl.int64) * stride_gt,
-                            start, end, kvh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
-                            stride_vh, qk_scale, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, DOT)
-    o, lse = _finish(acc, m_i, l_i)
-    slot64 = slot.to(tl.int64)
-    tl.store(po_ptr + split * stride_pos + slot64[:, None] * stride_pom + head[:, None] * stride_poh
-             + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(plse_ptr + split * stride_pls + slot64 * stride_plm + head, lse, mask=row_ok)
+    if first < last:  # a padded tile past the group's members does nothing
+        rows = tl.arange(0, BLOCK_M)
+        slot = first + rows // QPK
+        row_ok = (rows < TILE_MEMBERS * QPK) & (slot < last)
+        head = kvh * QPK + rows % QPK
+        seq = tl.load(members_ptr + slot, mask=row_ok, other=0).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + seq[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+        start = split * split_len
+        g_len = tl.load(g_len_ptr + g)
+        # The last split runs to the end: a host bound that fell short costs balance, not tokens.
+        end = tl.where(split == last_split, g_len, tl.minimum(start + split_len, g_len))
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr, v_ptr, g_tab_ptr + g.to(tl.int64) * stride_gt,
+                                start, end, kvh, stride_kb, stride_ko, stride_kh, stride_vb,
+                                stride_vo, stride_vh, qk_scale, BLOCK_SIZE, BLOCK_N, BLOCK_D,
+                                HEAD_DIM, DOT)
+        o, lse = _finish(acc, m_i, l_i)
+        slot64 = slot.to(tl.int64)
+        tl.store(po_ptr + split * stride_pos + slot64[:, None] * stride_pom
+                 + head[:, None] * stride_poh + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(plse_ptr + split * stride_pls + slot64 * stride_plm + head, lse, mask=row_ok)
 
 
 @triton.jit
 def _fold_shared(acc, m_i, l_i, b, head, row_ok, offs_d, d_ok, slots_ptr, stride_ss,
                  po_ptr, plse_ptr, stride_pos, stride_pom, stride_poh, stride_pls, stride_plm,
                  LEVELS: tl.constexpr, SPLITS: tl.constexpr):
-    """Merge row b's shared partials (every level, every split) into the running state."""
+    """Merge the shared partials (every level, every split) of each tile row's batch row
+    b [M] into the running state."""
     for lvl in range(LEVELS):
-        slot = tl.load(slots_ptr + b * stride_ss + lvl).to(tl.int64)
+        slot = tl.load(slots_ptr + b * stride_ss + lvl, mask=row_ok, other=-1).to(tl.int64)
         ok = row_ok & (slot >= 0)
         for s in range(SPLITS):
             lse_p = tl.load(plse_ptr + s * stride_pls + slot * stride_plm + head, mask=ok,
                             other=float("-inf"))
-            o_p = tl.load(po_ptr + s * stride_pos + slot * stride_pom + head[:, None] * stride_poh
-                          + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+            o_p = tl.load(po_ptr + s * stride_pos + slot[:, None] * stride_pom
+                          + head[:, None] * stride_poh + offs_d[None, :],
+                          mask=ok[:, None] & d_ok[None, :], other=0.0)
             acc, m_i, l_i = _merge(acc, m_i, l_i, o_p, lse_p)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _private_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, pstart_ptr, slots_ptr,
+def _private_program(
+    kvh, tile, split, last_split, q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, pstart_ptr, slots_ptr,
     po_ptr, plse_ptr, out_ptr, xo_ptr, xlse_ptr,
     stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_tb, stride_ss, stride_pos, stride_pom, stride_poh, stride_pls, stride_plm,
     stride_ob, stride_oh, stride_xos, stride_xob, stride_xoh, stride_xls, stride_xlb,
-    qk_scale, split_len,
-    QPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr,
+    qk_scale, split_len, batch,
+    QPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr,
     LEVELS: tl.constexpr, SHARED_SPLITS: tl.constexpr, FUSE: tl.constexpr,
 ):
-    # Grid (kv head, row, KV split of the private part): a row's kv heads run side by side,
-    # so together they read whole tokens. FUSE (one split): fold in the shared partials and
-    # write the output; else write a partial for _combine_kernel.
-    kvh = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
+    # Program (kv head, tile of ROWS batch rows, KV split of the private part). Private parts
+    # are short, so one row per program would be all ramp (q, table and first K/V loads);
+    # ROWS rows share a program instead: each step gathers BLOCK_N / ROWS keys of every row
+    # and a block-diagonal mask keeps each query row to its own keys. The tile's rows are
+    # ROWS x QPK query heads. FUSE (one split): fold in the shared partials and write the
+    # output; else write a partial for _combine_kernel.
+    KPR: tl.constexpr = BLOCK_N // ROWS  # keys per row per step
     rows = tl.arange(0, BLOCK_H)
-    row_ok = rows < QPK
-    head = kvh * QPK + rows
+    b = tile.to(tl.int64) * ROWS + rows // QPK
+    row_ok = (rows < ROWS * QPK) & (b < batch)
+    head = kvh * QPK + rows % QPK
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + b[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
-    start = tl.load(pstart_ptr + b) + split * split_len
-    seq_len = tl.load(lens_ptr + b)
-    end = tl.where(split == tl.num_programs(2) - 1, seq_len, tl.minimum(start + split_len, seq_len))
+    # Per key lane: its row (r_key) and that row's private range [lo, hi) of this split.
+    offs_n = tl.arange(0, BLOCK_N)
+    r_key = offs_n // KPR
+    b_key = tile.to(tl.int64) * ROWS + r_key
+    key_row_ok = b_key < batch
+    lo = tl.load(pstart_ptr + b_key, mask=key_row_ok, other=0) + split * split_len
+    seq_len = tl.load(lens_ptr + b_key, mask=key_row_ok, other=0)
+    last = split == last_split  # the last split runs to the end (short host hint)
+    hi = tl.where(last, seq_len, tl.minimum(lo + split_len, seq_len))
+    hi = tl.where(key_row_ok, tl.maximum(hi, lo), lo)  # a split past a row's end is empty
+    # Steps where every row of the tile still has KPR live keys run unmasked.
+    full_steps = tl.min(hi - lo, 0) // KPR
+    steps = tl.cdiv(tl.max(hi - lo, 0), KPR)
+    table_key = tables_ptr + b_key * stride_tb
+    own = (rows // QPK)[:, None] == r_key[None, :]  # query row x key lane of the same row
+    lane = offs_n % KPR
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr + b * stride_tb, start, end,
-                            kvh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-                            qk_scale, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, DOT)
+    for step in range(0, full_steps):
+        acc, m_i, l_i = _attend_step(q, acc, m_i, l_i, k_ptr, v_ptr, table_key, lo + step * KPR + lane,
+                                     hi, own, kvh, stride_kb, stride_ko, stride_kh, stride_vb,
+                                     stride_vo, stride_vh, qk_scale, BLOCK_SIZE, BLOCK_D, HEAD_DIM,
+                                     DOT, False, True)
+    for step in range(full_steps, steps):
+        acc, m_i, l_i = _attend_step(q, acc, m_i, l_i, k_ptr, v_ptr, table_key, lo + step * KPR + lane,
+                                     hi, own, kvh, stride_kb, stride_ko, stride_kh, stride_vb,
+                                     stride_vo, stride_vh, qk_scale, BLOCK_SIZE, BLOCK_D, HEAD_DIM,
+                                     DOT, True, True)
     mask = row_ok[:, None] & d_ok[None, :]
     if FUSE:
         acc, m_i, l_i = _fold_shared(acc, m_i, l_i, b, head, row_ok, offs_d, d_ok, slots_ptr,
                                      stride_ss, po_ptr, plse_ptr, stride_pos, stride_pom,
                                      stride_poh, stride_pls, stride_plm, LEVELS, SHARED_SPLITS)
         o, _ = _finish(acc, m_i, l_i)
-        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + b[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         o, lse = _finish(acc, m_i, l_i)
-        tl.store(xo_ptr + split * stride_xos + b * stride_xob + head[:, None] * stride_xoh
+        tl.store(xo_ptr + split * stride_xos + b[:, None] * stride_xob + head[:, None] * stride_xoh
                  + offs_d[None, :], o, mask=mask)
         tl.store(xlse_ptr + split * stride_xls + b * stride_xlb + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _cascade_kernel(
+    q_ptr, k_ptr, v_ptr, g_tab_ptr, g_len_ptr, cu_ptr, members_ptr, tables_ptr, lens_ptr,
+    pstart_ptr, slots_ptr, po_ptr, plse_ptr, out_ptr, xo_ptr, xlse_ptr,
+    stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    stride_gt, stride_tb, stride_ss, stride_pos, stride_pom, stride_poh, stride_pls, stride_plm,
+    stride_ob, stride_oh, stride_xos, stride_xob, stride_xoh, stride_xls, stride_xlb,
+    qk_scale, s_split_len, p_split_len, batch, first_program, n_shared, group_tiles, kv_heads,
+    s_splits, p_tiles, p_splits,
+    SHARED: tl.constexpr, PRIVATE: tl.constexpr, TILES: tl.constexpr, QPK: tl.constexpr,
+    TILE_MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, P_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr, LEVELS: tl.constexpr,
+    SHARED_SPLITS: tl.constexpr, FUSE: tl.constexpr,
+):
+    # One 1-D grid numbers the shared programs [0, n_shared) and then the private ones; a
+    # launch runs programs [first_program, first_program + grid). Launched together, the
+    # shared programs (tensor-core bound) start first and the private ones (bandwidth
+    # bound) fill the rest of the GPU and take over as they finish; SHARED / PRIVATE
+    # compile only the half a launch runs.
+    pid = tl.program_id(0) + first_program
+    if pid < n_shared:
+        if SHARED:
+            _shared_program(pid % group_tiles, (pid // group_tiles) % kv_heads,
+                            pid // (group_tiles * kv_heads), s_splits - 1,
+                            q_ptr, k_ptr, v_ptr, g_tab_ptr, g_len_ptr, cu_ptr, members_ptr, po_ptr,
+                            plse_ptr, stride_qb, stride_qh, stride_kb, stride_ko, stride_kh,
+                            stride_vb, stride_vo, stride_vh, stride_gt, stride_pos, stride_pom,
+                            stride_poh, stride_pls, stride_plm, qk_scale, s_split_len,
+                            TILES, QPK, TILE_MEMBERS, BLOCK_M, S_BLOCK_N, BLOCK_D, HEAD_DIM,
+                            BLOCK_SIZE, DOT)
+    else:
+        if PRIVATE:
+            p = pid - n_shared  # kv heads fastest: a row tile's heads read whole tokens together
+            _private_program(p % kv_heads, (p // kv_heads) % p_tiles, p // (kv_heads * p_tiles),
+                             p_splits - 1, q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, pstart_ptr,
+                             slots_ptr, po_ptr, plse_ptr, out_ptr, xo_ptr, xlse_ptr,
+                             stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb,
+                             stride_vo, stride_vh, stride_tb, stride_ss, stride_pos, stride_pom,
+                             stride_poh, stride_pls, stride_plm, stride_ob, stride_oh, stride_xos,
+                             stride_xob, stride_xoh, stride_xls, stride_xlb, qk_scale, p_split_len,
+                             batch, QPK, ROWS, BLOCK_H, P_BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_SIZE,
+                             DOT, LEVELS, SHARED_SPLITS, FUSE)
 
 
 @triton.jit
@@ -175,14 +282,13 @@ def _combine_kernel(
     slots_ptr, po_ptr, plse_ptr, xo_ptr, xlse_ptr, out_ptr,
     stride_ss, stride_pos, stride_pom, stride_poh, stride_pls, stride_plm,
     stride_xos, stride_xob, stride_xoh, stride_xls, stride_xlb, stride_ob, stride_oh,
-    QPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     LEVELS: tl.constexpr, SHARED_SPLITS: tl.constexpr, PRIVATE_SPLITS: tl.constexpr,
 ):
-    # Grid (kv head, row): merge the private splits' and the shared partials.
-    b = tl.program_id(1).to(tl.int64)
-    rows = tl.arange(0, BLOCK_H)
-    row_ok = rows < QPK
-    head = tl.program_id(0) * QPK + rows
+    # Grid (row,): merge the private splits' and the shared partials of every head of a row.
+    head = tl.arange(0, BLOCK_H)
+    b = tl.program_id(0).to(tl.int64) + head * 0
+    row_ok = head < NUM_HEADS
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     mask = row_ok[:, None] & d_ok[None, :]
@@ -192,12 +298,12 @@ def _combine_kernel(
     for s in range(PRIVATE_SPLITS):
         lse_p = tl.load(xlse_ptr + s * stride_xls + b * stride_xlb + head, mask=row_ok,
                         other=float("-inf"))
-        o_p = tl.load(xo_ptr + s * stride_xos + b * stride_xob + head[:, None] * stride_xoh
+        o_p = tl.load(xo_ptr + s * stride_xos + b[:, None] * stride_xob + head[:, None] * stride_xoh
                       + offs_d[None, :], mask=mask, other=0.0)
         acc, m_i, l_i = _merge(acc, m_i, l_i, o_p, lse_p)
     acc, m_i, l_i = _fold_shared(acc, m_i, l_i, b, head, row_ok, offs_d, d_ok, slots_ptr,
                                  stride_ss, po_ptr, plse_ptr, stride_pos, stride_pom, stride_poh,
                                  stride_pls, stride_plm, LEVELS, SHARED_SPLITS)
     o, _ = _finish(acc, m_i, l_i)
-    tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + b[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mask)

@@ -29,17 +29,20 @@ def plain(p):
 
 
 def run_both(p, groups, tol, config=None, **kw):
-    """Both merge paths (a merge launch after two streams; the private kernel merging)."""
+    """Every launch path: one launch then a merge, two streams then a merge, and shared then
+    private programs that merge."""
     ref = shared_prefix_decode_ref(p.q.double(), p.k_cache.double(), p.v_cache.double(), groups,
                                    p.block_tables, p.seq_lens, scale=p.scale)
     assert_close(ref, plain(p), 1e-12, p.seed, "shared reference vs plain paged reference")
     config = config or SharedPrefixConfig()
-    for cfg in (config, replace(config, overlap=not config.overlap)):
+    for cfg in (config, replace(config, overlap=not config.overlap),
+                replace(config, streams=not config.streams)):
         out = poisoned_out(p.q)
         got = shared_prefix_decode(p.q, p.k_cache, p.v_cache, groups, p.block_tables, p.seq_lens,
                                    scale=p.scale, out=out, config=cfg, **kw)
         assert got is out
-        assert_close(out, ref, tol, p.seed, f"kernel (overlap={cfg.overlap}) vs shared reference")
+        assert_close(out, ref, tol, p.seed,
+                     f"kernel (overlap={cfg.overlap}, streams={cfg.streams}) vs shared reference")
     return out
 
 
@@ -49,6 +52,11 @@ def run_both(p, groups, tol, config=None, **kw):
     (2, 3, 32, 4, 1, SharedPrefixConfig(block_m=32, block_n=32, shared_split_len=24,
                                         private_split_len=8, private_block_n=16)),
     (2, 4, 16, 2, 3, None),
+    # several rows per private program: ragged parts, a partial last tile of rows, keys per
+    # row and step (16 / 4) that do not align with the block size 8, and with splits
+    (1, 3, 16, 8, 1, SharedPrefixConfig(block_m=16, block_n=16, private_block_n=16, private_rows=4)),
+    (2, 2, 16, 4, 1, SharedPrefixConfig(block_m=16, block_n=16, private_block_n=32, private_rows=8,
+                                        private_split_len=8)),
 ])
 def test_random_groupings_match_references(kv_heads, qpk, head_dim, block_size, min_blocks, config):
     seed = fresh_seed()
