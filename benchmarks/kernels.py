@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from kernels import paged_attention  # noqa: E402
@@ -157,6 +158,14 @@ def run_shape(kind, batch, ctx, n_q, sweep, gen, ceil):
     except Exception as e:  # noqa: BLE001 - a backend that cannot be captured: time eagerly
         print(f"SDPA graph capture failed ({e!r:.120}); timing it eagerly", flush=True)
         t_sdpa, peer_name = timeit(peers[0]), peer_name + " eager"
+    backends = {}  # which SDPA backend the default is: each one forced, where it runs
+    if DEV == "cuda" and not repeat_kv:
+        for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            try:
+                with sdpa_kernel([be]):
+                    backends[be.name] = graph_time(peers) * 1e3
+            except Exception as e:  # noqa: BLE001 - a backend that rejects the shape
+                backends[be.name] = f"{type(e).__name__}"
     flops = batch * attention_flops(n_q, ctx, H, D)
     row = {"kind": kind, "batch": batch, "context": ctx, "n_q": n_q, "config": cfg.__dict__,
            "us": t_ours * 1e3, "sdpa_us": t_sdpa * 1e3, "ratio_vs_sdpa": t_ours / t_sdpa,
@@ -164,7 +173,7 @@ def run_shape(kind, batch, ctx, n_q, sweep, gen, ceil):
            "sdpa_frac_copy_bw": kv_bytes / t_sdpa / 1e6 / ceil["copy_GBps"],
            "TFLOPs": flops / t_ours / 1e9, "sdpa_TFLOPs": flops / t_sdpa / 1e9,
            "eager_us": timeit(ours(cfg, sets[0])) * 1e3, "sdpa_eager_us": timeit(peers[0]) * 1e3,
-           "rel_err_vs_sdpa": err, "first_call_s": first_call_s, "peer": peer_name, "input_sets": n_sets}
+           "rel_err_vs_sdpa": err, "sdpa_backend_us": backends, "first_call_s": first_call_s, "peer": peer_name, "input_sets": n_sets}
     if sweep:
         row["sweep"] = []
         for alt in sweep_configs(cfg, batch, n_q):
@@ -208,6 +217,15 @@ def to_markdown(res) -> str:
                      f"{r['frac_copy_bw']:.2f} | {r['sdpa_frac_copy_bw']:.2f} | {r['TFLOPs']:.0f} | "
                      f"{r['sdpa_TFLOPs']:.0f} | {r['config']['num_splits']} | "
                      f"{r['eager_us']:.1f} / {r['sdpa_eager_us']:.1f} | {r['rel_err_vs_sdpa']:.1e} |")
+    forced = [r for r in res["rows"] if r.get("sdpa_backend_us")]
+    if forced:
+        lines += ["", "SDPA with one backend forced (us, graph replays; a name: the backend rejected the shape):",
+                  "", "| kind | batch | context | default | " + " | ".join(forced[0]["sdpa_backend_us"]) + " |",
+                  "|---|---|---|---|" + "---|" * len(forced[0]["sdpa_backend_us"])]
+        for r in forced:
+            cells = [f"{v:.1f}" if isinstance(v, float) else v for v in r["sdpa_backend_us"].values()]
+            lines.append(f"| {r['kind']} | {r['batch']} | {r['context']} | {r['sdpa_us']:.1f} | "
+                         + " | ".join(cells) + " |")
     sweeps = [r for r in res["rows"] if r.get("sweep")]
     if sweeps:
         lines += ["", "Tile-config sweep (default vs fastest alternative):", "",

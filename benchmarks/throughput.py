@@ -138,6 +138,8 @@ def run_ours(engine, prompts, output_len: int, tag: str) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     torch.cuda.reset_peak_memory_stats()
+    graphs = engine.runner.graphs  # shared-prefix graphs are captured on first use, inside the timing
+    captures0 = (graphs.num_shared_captures, graphs.shared_capture_s) if graphs else (0, 0.0)
     produced = cached = 0
     t = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -151,8 +153,10 @@ def run_ours(engine, prompts, output_len: int, tag: str) -> dict:
         steps += 1
     torch.cuda.synchronize()
     s = time.perf_counter() - t
+    captures = (graphs.num_shared_captures, graphs.shared_capture_s) if graphs else (0, 0.0)
     return {"seconds": s, "output_tokens": produced, "cached_prompt_tokens": cached, "steps": steps,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "shared_graph_captures": captures[0] - captures0[0], "shared_capture_s": captures[1] - captures0[1]}
 
 
 def write_model_folder(path: Path, cfg: dict):
@@ -179,7 +183,7 @@ def add_arguments(p) -> None:
     p.add_argument("--peers", nargs="*", default=["hf_generate", "hf_generate_batch"])
     p.add_argument("--generate-batch-max-requests", type=int, default=256,
                    help="run HF generate_batch only up to this many requests (it is slow)")
-    p.add_argument("--gsp", action="store_true", help="also run the generated-shared-prefix workload (ours, last config)")
+    p.add_argument("--gsp", action="store_true", help="also run the generated-shared-prefix workload (every config of ours)")
     p.add_argument("--engine-args", default="{}", help="JSON of EngineConfig fields common to every config of ours")
     p.add_argument("--configs", default='{"radixkv": {}}',
                    help="JSON {name: EngineConfig fields}: each of ours runs in a fresh engine")
@@ -237,7 +241,7 @@ def main(args) -> int:
                 rows.append({"system": name, "requests": n, **run_ours(engine, prompts, args.output_len, f"r{n}"),
                              **floor})
                 print(rows[-1], flush=True)
-            if args.gsp and ci == len(configs) - 1:
+            if args.gsp:
                 rng = random.Random(7)
                 prompts = []
                 for g in range(64):
@@ -272,16 +276,17 @@ def main(args) -> int:
     result = {"date": date, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "hardware": hw,
               "rows": rows, "command": "python3 -m benchmarks.throughput " + " ".join(sys.argv[1:])}
     (out_dir / "throughput.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = ["| system | workload | requests | output tok/s | seconds | x floor | x floor (shared once) | vs HF generate | peak GiB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| system | workload | requests | output tok/s | seconds | x floor | x floor (shared once) | vs HF generate "
+             "| peak GiB | shared graphs captured (s) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "seconds" not in r:
-            lines.append(f"| {r['system']} | shared prompt | {r['requests']} | error: {r['error']} | | | | | |")
+            lines.append(f"| {r['system']} | shared prompt | {r['requests']} | error: {r['error']} | | | | | | |")
             continue
         lines.append(
             f"| {r['system']} | {r.get('workload', 'shared prompt')} | {r['requests']} | {r['output_tok_per_s']:,.0f} | "
             f"{r['seconds']:.2f} | {r.get('x_floor', float('nan')):.2f} | {r.get('x_floor_shared_once', float('nan')):.2f} | "
-            f"{r.get('x_hf_generate', float('nan')):.1f} | {r['peak_gib']:.1f} |")
+            f"{r.get('x_hf_generate', float('nan')):.1f} | {r['peak_gib']:.1f} | "
+            + (f"{r['shared_graph_captures']} ({r['shared_capture_s']:.1f}) |" if "shared_graph_captures" in r else "- |"))
     table = "\n".join(lines)
     (out_dir / "throughput.md").write_text(
         f"# GPU throughput\n\n{date}, {result['device']}, torch {torch.__version__}; copy "

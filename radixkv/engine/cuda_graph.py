@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 
 import numpy as np
 import torch
@@ -65,6 +66,7 @@ class DecodeGraphs:
         self.shared_prefix = shared_prefix
         self.min_shared_batch = min_shared_batch
         self.num_shared_captures = 0
+        self.shared_capture_s = 0.0  # wall time of shared-prefix captures made while serving
         self.last_shared = False  # whether the last replay was a shared-prefix graph
         if shared_prefix:  # static prefix-group inputs; the "no sharing" content is all zeros
             g = GROUP_BUCKETS[-1] + 1  # + the padding group that holds unused member slots
@@ -162,7 +164,9 @@ class DecodeGraphs:
             self._fill_groups(groups, n, key)
             if key not in self.graphs:
                 logger.info("capturing a shared-prefix decode graph for batch %d, %d groups, %d splits", *key)
+                t0 = time.perf_counter()
                 self._capture(key)
+                self.shared_capture_s += time.perf_counter() - t0
         self.graphs[bs if key is None else key].replay()
         self.last_shared = key is not None
         return self.logits[:n]
