@@ -9,7 +9,8 @@ attention reads each shared segment once per group. Its prefix groups are padded
 shapes (PrefixGroups.padded's layout): up to `groups` groups (bucketed), 2 levels, 2 member
 slots per row, and `splits` KV splits of 1,024 shared tokens (bucketed; the last split runs
 to the end, so a longer segment stays correct). Graphs for one group and one split are
-captured at start for every size from `min_shared_batch` up; other shapes when first seen.
+captured at start for every size from `min_shared_batch` up, and for the largest size with
+every split count (so every kernel variant compiles at start); other shapes when first seen.
 """
 
 from __future__ import annotations
@@ -80,10 +81,14 @@ class DecodeGraphs:
         self._pool = None  # one memory pool for every graph, made at the first capture
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
             self._capture(bs)
-        if shared_prefix:
+        if shared_prefix and self.sizes[-1] >= min_shared_batch:
             for bs in reversed(self.sizes):
                 if bs >= min_shared_batch:
                     self._capture((bs, GROUP_BUCKETS[0], SPLIT_BUCKETS[0]))
+            # The split count is the one shape of these graphs that the kernels compile for:
+            # compile every variant now, not inside a served step.
+            for splits in SPLIT_BUCKETS[1:]:
+                self._capture((self.sizes[-1], GROUP_BUCKETS[0], splits))
 
     # ---- capture ------------------------------------------------------------------------
     def _meta(self, key) -> AttentionMetadata:
