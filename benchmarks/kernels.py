@@ -32,6 +32,7 @@ import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
+from benchmarks.timing import eager_ms  # noqa: E402
 from kernels import paged_attention  # noqa: E402
 from kernels.attention_config import AttentionConfig, default_config  # noqa: E402
 from kernels.paged_attention import attention_flops  # noqa: E402
@@ -49,20 +50,11 @@ PREFILL_SWEEP = [AttentionConfig(128, 128, 8, 3), AttentionConfig(128, 64, 4, 3)
                  AttentionConfig(64, 32, 4, 3)]
 
 
-def timeit(fn) -> float:
-    """Eager median milliseconds, launch overhead included (do_bench; CPU smoke: one run)."""
-    if DEV == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
-
-
 def graph_time(fns) -> float:
     """GPU milliseconds per call: the calls (one per rotating input set, so small problems
     are not served from L2) captured in one CUDA graph, median over replays."""
     if DEV != "cuda":
-        return timeit(lambda: [f() for f in fns]) / len(fns)
+        return eager_ms(lambda: [f() for f in fns], DEV) / len(fns)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -89,13 +81,13 @@ def graph_time(fns) -> float:
 def ceilings(smoke) -> dict:
     x = torch.randn(1 << (20 if smoke else 30), device=DEV, dtype=DTYPE)  # 2 GiB: far beyond L2
     y = torch.empty_like(x)
-    ms = timeit(lambda: y.copy_(x))
+    ms = eager_ms(lambda: y.copy_(x), DEV)
     copy_gbs = 2 * x.numel() * x.element_size() / ms / 1e6
     del x, y
     n = 256 if smoke else 8192
     a = torch.randn(n, n, device=DEV, dtype=DTYPE)
     b = torch.randn(n, n, device=DEV, dtype=DTYPE)
-    mm_tflops = 2 * n ** 3 / timeit(lambda: a @ b) / 1e9
+    mm_tflops = 2 * n ** 3 / eager_ms(lambda: a @ b, DEV) / 1e9
     return {"copy_GBps": copy_gbs, "matmul_bf16_TFLOPs": mm_tflops}
 
 
@@ -157,7 +149,7 @@ def run_shape(kind, batch, ctx, n_q, sweep, gen, ceil):
         t_sdpa = graph_time(peers)
     except Exception as e:  # noqa: BLE001 - a backend that cannot be captured: time eagerly
         print(f"SDPA graph capture failed ({e!r:.120}); timing it eagerly", flush=True)
-        t_sdpa, peer_name = timeit(peers[0]), peer_name + " eager"
+        t_sdpa, peer_name = eager_ms(peers[0], DEV), peer_name + " eager"
     backends = {}  # which SDPA backend the default is: each one forced, where it runs
     if DEV == "cuda" and not repeat_kv:
         for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
@@ -172,7 +164,7 @@ def run_shape(kind, batch, ctx, n_q, sweep, gen, ceil):
            "kv_GBps": kv_bytes / t_ours / 1e6, "frac_copy_bw": kv_bytes / t_ours / 1e6 / ceil["copy_GBps"],
            "sdpa_frac_copy_bw": kv_bytes / t_sdpa / 1e6 / ceil["copy_GBps"],
            "TFLOPs": flops / t_ours / 1e9, "sdpa_TFLOPs": flops / t_sdpa / 1e9,
-           "eager_us": timeit(ours(cfg, sets[0])) * 1e3, "sdpa_eager_us": timeit(peers[0]) * 1e3,
+           "eager_us": eager_ms(ours(cfg, sets[0]), DEV) * 1e3, "sdpa_eager_us": eager_ms(peers[0], DEV) * 1e3,
            "rel_err_vs_sdpa": err, "sdpa_backend_us": backends, "first_call_s": first_call_s, "peer": peer_name, "input_sets": n_sets}
     if sweep:
         row["sweep"] = []

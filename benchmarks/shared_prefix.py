@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks.timing import eager_ms  # noqa: E402
 from kernels import paged_attention  # noqa: E402
 from kernels.shared_prefix import (PrefixGroups, SharedPrefixConfig, derive_groups,  # noqa: E402
                                    shared_prefix_decode, shared_prefix_decode_ref)
@@ -43,19 +44,10 @@ SWEEP = [_C(streams=True), _C(overlap=False), _C(private_rows=2), _C(private_row
          _C(shared_split_len=2048)]
 
 
-def timeit(fn) -> float:
-    """Median milliseconds (CPU smoke runs: one wall-clock run)."""
-    if DEV == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
-
-
 def copy_bandwidth(smoke) -> float:
     x = torch.randn(1 << (16 if smoke else 30), device=DEV, dtype=DTYPE)  # 2 GiB: far beyond L2
     y = torch.empty_like(x)
-    gbps = 2 * x.numel() * x.element_size() / timeit(lambda: y.copy_(x)) / 1e6
+    gbps = 2 * x.numel() * x.element_size() / eager_ms(lambda: y.copy_(x), DEV) / 1e6
     del x, y
     return gbps
 
@@ -85,7 +77,7 @@ def graph_ms(fn) -> float:
     eager time where capture is impossible (CPU smoke runs, a peer that cannot capture)."""
     fn()
     if DEV != "cuda":
-        return timeit(fn)
+        return eager_ms(fn, DEV)
     try:
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -93,8 +85,8 @@ def graph_ms(fn) -> float:
             fn()
     except Exception as e:  # noqa: BLE001 - record, fall back to eager
         print(f"graph capture failed ({e!r:.100}); timing eagerly", flush=True)
-        return timeit(fn)
-    return timeit(g.replay)
+        return eager_ms(fn, DEV)
+    return eager_ms(g.replay, DEV)
 
 
 def scenario(name, batch, level_tokens, fanout, private, *, gen, bw, max_levels=4, sdpa=True,
@@ -136,7 +128,7 @@ def scenario(name, batch, level_tokens, fanout, private, *, gen, bw, max_levels=
            "derive_groups_ms": derive_ms, "rel_err_vs_plain": err}
     row["frac_of_floor"] = row["floor_us"] / row["us"]
     if detail:
-        row["eager_us"], row["plain_eager_us"] = timeit(ours()) * 1e3, timeit(plain) * 1e3
+        row["eager_us"], row["plain_eager_us"] = eager_ms(ours(), DEV) * 1e3, eager_ms(plain, DEV) * 1e3
         ref = shared_prefix_decode_ref(q.float(), kc.float(), vc.float(), groups, bt, sl, scale=scale)
         ours()()
         row["rel_err_vs_fp32_ref"] = ((out.float() - ref).norm() / ref.norm()).item()
