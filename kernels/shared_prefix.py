@@ -164,11 +164,12 @@ def shared_prefix_decode(q, k_cache, v_cache, groups, block_tables, seq_lens, *,
         raise ValueError(f"max_private_len: expected a positive int, got {max_private_len!r}")
     bound = block_tables.shape[1] * block_size if max_private_len is None else max_private_len
     # Auto: about 8 steps of private_block_n keys per program (rows x private length), up to
-    # 32 tile rows. Measured on an H200: 128-token private parts ran fastest with 8 rows of
-    # 4 heads (75.6 us against 88.8 with one row); 640+ tokens with one row (304.8 against
-    # 398.8 us at 2,176). Without a hint the bound is the table's capacity: one row.
-    p_rows = cfg.private_rows or 1 << (max(1, min(32 // qpk, cfg.private_block_n * 8 // bound))
-                                       .bit_length() - 1)
+    # 32 tile rows and at least one key per row and step. Measured on an H200: 128-token
+    # private parts ran fastest with 8 rows of 4 heads (75.6 us against 88.8 with one row);
+    # 640+ tokens with one row (304.8 against 398.8 us at 2,176). Without a hint the bound is
+    # the table's capacity: one row.
+    auto_rows = min(32 // qpk, cfg.private_block_n, cfg.private_block_n * 8 // bound)
+    p_rows = cfg.private_rows or 1 << (max(1, auto_rows).bit_length() - 1)
     p_tiles = _cdiv(batch, p_rows)
     p_splits, p_len = _splits(max(bound, 1), cfg.private_split_len, cfg.private_block_n,
                               p_tiles * kv_heads, sms)

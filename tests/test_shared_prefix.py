@@ -206,6 +206,14 @@ def test_short_hints_stay_correct():
                          p.block_tables, p.seq_lens, scale=p.scale, out=out, config=cfg,
                          max_private_len=20)
     assert_close(out, plain(p), TOL32, seed, "short hints")
+    # A hint of one token asks for the most rows per private program: still at least one key
+    # per row and step (multi-head attention: one query head per kv head).
+    mha = make_problem(rows, [58, 60, 57], block_size=4, num_blocks=60, kv_heads=2, qpk=1,
+                       head_dim=16, dtype=torch.float32, device=DEVICE, seed=seed)
+    out = poisoned_out(mha.q)
+    shared_prefix_decode(mha.q, mha.k_cache, mha.v_cache, groups, mha.block_tables, mha.seq_lens,
+                         scale=mha.scale, out=out, config=SMALL, max_private_len=1)
+    assert_close(out, plain(mha), TOL32, seed, "one-token hint, MHA")
     with pytest.raises(ValueError, match="^groups.max_shared_len|^groups.shared_lens"):
         shared_prefix_decode(p.q.cpu(), p.k_cache.cpu(), p.v_cache.cpu(), replace(groups.to("cpu"),
                              max_shared_len=8), p.block_tables.cpu(), p.seq_lens.cpu(), scale=p.scale)
