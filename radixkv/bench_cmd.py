@@ -15,6 +15,7 @@ BENCHMARKS = {
     "cache-ops": ("benchmarks.cache_ops", "cache manager operations per second on a shared-prompt trace (CPU)"),
     "kernels": ("benchmarks.kernels", "paged attention kernels vs contiguous SDPA (GPU)"),
     "throughput": ("benchmarks.throughput", "engine throughput vs HF transformers on one GPU"),
+    "graph-keys": ("benchmarks.graph_keys", "shared-prefix decode-graph shapes a workload meets while served (CPU)"),
     "serve": ("benchmarks.serve", "drive a running server with a workload: TTFT, TPOT, latency, hit rate"),
 }
 REPO = Path(__file__).resolve().parent.parent

@@ -32,6 +32,7 @@ SPLIT_BUCKETS = (1, 2, 4, 8)  # KV splits of the shared segments (bucketed)
 SPLIT_TOKENS = 1024  # shared tokens per split: SharedPrefixConfig().shared_split_len
 LEVELS = 2  # sharing levels per row (system prompt -> few-shot examples)
 MAX_SHARED_GRAPHS = 48  # beyond this many shapes, batches fall back to the plain graphs
+MIN_SHARED_BATCH = 64  # smaller decode batches replay the plain graphs
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -46,9 +47,22 @@ def _bucket(value: int, buckets: tuple[int, ...]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+def shared_graph_key(n: int, groups, sizes: list[int], min_shared_batch: int, max_blocks: int) -> tuple | None:
+    """(batch size, groups, splits): the shape of the shared-prefix graph that a decode batch of
+    n rows with these (CPU) groups replays, or None when it takes the plain graph."""
+    bs = sizes[bisect.bisect_left(sizes, n)]
+    if groups is None or bs < min_shared_batch or groups.num_levels > LEVELS:
+        return None
+    g = _bucket(groups.num_groups, GROUP_BUCKETS)
+    if g is None or groups.block_tables.shape[1] > max_blocks:
+        return None
+    splits = _bucket(-(-groups.max_shared_len // SPLIT_TOKENS), SPLIT_BUCKETS) or SPLIT_BUCKETS[-1]
+    return (bs, g, splits)
+
+
 class DecodeGraphs:
     def __init__(self, model, max_batch: int, max_blocks: int, device, *, shared_prefix: bool = False,
-                 min_shared_batch: int = 64):
+                 min_shared_batch: int = MIN_SHARED_BATCH):
         self.model = model
         self.sizes = capture_sizes(max_batch)
         self.max_blocks = max_blocks
@@ -138,15 +152,10 @@ class DecodeGraphs:
 
     def shared_key(self, n: int, groups) -> tuple | None:
         """The graph for a batch of n rows with these (CPU) groups, or None: the plain one."""
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        if groups is None or not self.shared_prefix or bs < self.min_shared_batch or groups.num_levels > LEVELS:
+        if not self.shared_prefix:
             return None
-        g = _bucket(groups.num_groups, GROUP_BUCKETS)
-        if g is None or groups.block_tables.shape[1] > self.max_blocks:
-            return None
-        splits = _bucket(-(-groups.max_shared_len // SPLIT_TOKENS), SPLIT_BUCKETS) or SPLIT_BUCKETS[-1]
-        key = (bs, g, splits)
-        if key not in self.graphs and self.num_shared_captures >= MAX_SHARED_GRAPHS:
+        key = shared_graph_key(n, groups, self.sizes, self.min_shared_batch, self.max_blocks)
+        if key is not None and key not in self.graphs and self.num_shared_captures >= MAX_SHARED_GRAPHS:
             return None
         return key
 
