@@ -164,8 +164,10 @@ def run_shape(kind, batch, ctx, n_q, sweep, gen, ceil):
            "kv_GBps": kv_bytes / t_ours / 1e6, "frac_copy_bw": kv_bytes / t_ours / 1e6 / ceil["copy_GBps"],
            "sdpa_frac_copy_bw": kv_bytes / t_sdpa / 1e6 / ceil["copy_GBps"],
            "TFLOPs": flops / t_ours / 1e9, "sdpa_TFLOPs": flops / t_sdpa / 1e9,
-           "eager_us": eager_ms(ours(cfg, sets[0]), DEV) * 1e3, "sdpa_eager_us": eager_ms(peers[0], DEV) * 1e3,
-           "rel_err_vs_sdpa": err, "sdpa_backend_us": backends, "first_call_s": first_call_s, "peer": peer_name, "input_sets": n_sets}
+           "eager_us": eager_ms(ours(cfg, sets[0]), DEV) * 1e3,
+           "sdpa_eager_us": eager_ms(peers[0], DEV) * 1e3, "rel_err_vs_sdpa": err,
+           "sdpa_backend_us": backends, "first_call_s": first_call_s, "peer": peer_name,
+           "input_sets": n_sets}
     if sweep:
         row["sweep"] = []
         for alt in sweep_configs(cfg, batch, n_q):
