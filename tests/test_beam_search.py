@@ -20,6 +20,7 @@ from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.engine.llm import LLM
 from radixkv.engine.sampling_params import SamplingParams
+from test_engine_cases import run_engine
 
 B = 4
 MAX_TOKENS = 10
@@ -130,22 +131,10 @@ def _engine(model_dir, **kw):
     return Engine(EngineConfig(model_dir=str(model_dir), **args))
 
 
-def _run(engine, on_step=None):
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        engine.cache.check_invariants()
-        if on_step is not None:
-            on_step(engine)
-    return final
-
-
 def _alone(model_dir, prompt, params, **kw):
     e = _engine(model_dir, **kw)
     e.add_request("x", prompt, params)
-    return _run(e)["x"]
+    return run_engine(e)["x"]
 
 
 def _beam(W, n=None, max_tokens=12, **kw):
@@ -158,7 +147,7 @@ def test_beams_share_blocks_through_forks(tiny_llama_dir):
     e.add_request("beam", prompt, _beam(W, max_tokens=16))
     worst = worst_case_blocks(len(prompt), 16, W, B)
     peaks = []
-    out = _run(e, on_step=lambda eng: peaks.append(eng.cache.stats().in_use_blocks))["beam"]
+    out = run_engine(e, on_step=lambda eng: peaks.append(eng.cache.stats().in_use_blocks))["beam"]
     assert len(out.outputs) == W and len({tuple(c.token_ids) for c in out.outputs}) == W
     assert all(len(c.token_ids) == 16 for c in out.outputs)
     # every beam holds its own copy of the prompt and history without sharing: (14 + 15) / 4 -> 8 blocks
@@ -189,7 +178,7 @@ def test_beam_request_in_the_same_batches_as_others(tiny_llama_dir):
         return execute(scheduled, *args)
 
     e.runner.execute = record
-    got = _run(e)
+    got = run_engine(e)
     assert any({"r0", "r1", "r2", "r3"} <= b for b in batches)  # beams decode beside the others
     for i, (p, sp) in enumerate(zip(prompts, params)):
         ref = _alone(tiny_llama_dir, p, sp)
@@ -213,7 +202,7 @@ def test_beams_are_not_preempted_and_admission_keeps_their_worst_case(tiny_llama
         assert eng.scheduler.beam_blocks <= eng.num_blocks
         seen.append(sum(1 for s in eng.scheduler.running if s.request.beam is not None))
 
-    got = _run(e, on_step=check)
+    got = run_engine(e, on_step=check)
     assert e.metrics()["preemptions"] > 0
     assert max(seen) == 4  # never both beam requests at once (4 + 3 beams)
     for i, (p, sp) in enumerate(beams + others):
@@ -278,7 +267,7 @@ def test_engine_rejects_beams_that_cannot_fit(tiny_llama_dir):
         e.add_request("wide", _prompt(8, 0), _beam(6, max_tokens=2))
     assert not e.requests and not e.has_unfinished_requests()
     e.add_request("ok", _prompt(8, 0), _beam(2, max_tokens=4))
-    assert len(_run(e)["ok"].outputs) == 2
+    assert len(run_engine(e)["ok"].outputs) == 2
 
 
 def test_generate_command_beam_search(tiny_llama_dir, capsys):

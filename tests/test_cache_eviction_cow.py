@@ -3,17 +3,8 @@ copies whose blocks must not be recycled. Block size 4 throughout."""
 
 import pytest
 
-from radixkv.cache import BlockRemoved, BlockStored, KVCacheManager
-
-B = 4
-
-
-@pytest.fixture(params=["sha256", "xxh3_128"])
-def make(request):
-    def make(num_blocks=32, **kw):
-        return KVCacheManager(num_blocks, B, hash_algo=request.param, **kw)
-
-    return make
+from radixkv.cache import BlockRemoved, BlockStored
+from test_cache_cases import B, make  # noqa: F401 - make is a fixture
 
 
 def run(m, sid, prompt):

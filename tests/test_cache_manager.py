@@ -7,16 +7,7 @@ import sys
 import pytest
 
 from radixkv.cache import BlockRemoved, BlockStored, KVCacheManager, prompt_block_keys
-
-B = 4
-
-
-@pytest.fixture(params=["sha256", "xxh3_128"])
-def make(request):
-    def make(num_blocks=32, **kw):
-        return KVCacheManager(num_blocks, B, hash_algo=request.param, **kw)
-
-    return make
+from test_cache_cases import B, make  # noqa: F401 - make is a fixture
 
 
 def run(m, sid, prompt, **kw):

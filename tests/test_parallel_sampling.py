@@ -9,6 +9,7 @@ import pytest
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.engine.sampling_params import SamplingParams
+from test_engine_cases import run_engine
 
 B = 4
 
@@ -27,16 +28,6 @@ def _prompt(n, seed=0):
     return [rng.randrange(3, 2048) for _ in range(n)]
 
 
-def _run(engine):
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        engine.cache.check_invariants()
-    return final
-
-
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -45,7 +36,7 @@ def test_samples_equal_seeded_singles_and_the_prompt_is_computed_once(tiny_llama
     prompt, n, max_tokens = _prompt(10), 4, 8  # 10 tokens: two full blocks and a shared partial one
     e = _engine(tiny_llama_dir, max_prefill_chunk=3)  # the prompt takes several chunks, still once
     e.add_request("multi", prompt, SamplingParams(n=n, seed=21, max_tokens=max_tokens, ignore_eos=True))
-    out = _run(e)["multi"]
+    out = run_engine(e)["multi"]
     assert [c.index for c in out.outputs] == list(range(n))
     assert out.num_computed_prompt_tokens == len(prompt)
     m = e.metrics()
@@ -57,7 +48,7 @@ def test_samples_equal_seeded_singles_and_the_prompt_is_computed_once(tiny_llama
     singles = _engine(tiny_llama_dir, enable_prefix_caching=False)
     for i in range(n):
         singles.add_request(f"s{i}", prompt, SamplingParams(seed=21 + i, max_tokens=max_tokens, ignore_eos=True))
-    got = _run(singles)
+    got = run_engine(singles)
     assert [c.token_ids for c in out.outputs] == [got[f"s{i}"].outputs[0].token_ids for i in range(n)]
     assert len({tuple(c.token_ids) for c in out.outputs}) == n
     for i, c in enumerate(out.outputs):
@@ -78,11 +69,11 @@ def test_best_of_keeps_the_most_likely_and_counts_every_sample(tiny_llama_dir):
     prompt = _prompt(13, seed=2)
     e = _engine(tiny_llama_dir)
     e.add_request("b", prompt, SamplingParams(n=2, best_of=5, seed=7, max_tokens=6, ignore_eos=True))
-    out = _run(e)["b"]
+    out = run_engine(e)["b"]
     assert [c.index for c in out.outputs] == [0, 1]
     everything = _engine(tiny_llama_dir)
     everything.add_request("all", prompt, SamplingParams(n=5, seed=7, max_tokens=6, ignore_eos=True))
-    full = _run(everything)["all"]
+    full = run_engine(everything)["all"]
     best = sorted(full.outputs, key=lambda c: -c.cumulative_logprob)[:2]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in best]
     assert out.num_computed_prompt_tokens == len(prompt)
@@ -96,14 +87,14 @@ def test_samples_survive_preemption_and_the_recompute_is_counted(tiny_llama_dir)
     params = SamplingParams(n=4, seed=5, max_tokens=10, ignore_eos=True)
     roomy = _engine(tiny_llama_dir)
     roomy.add_request("r", prompt, params)
-    ref = _run(roomy)["r"]
+    ref = run_engine(roomy)["r"]
     # the four samples end at 27 tokens: 4 shared prompt blocks + 4 x 3 own > 14 blocks of 4
     computed = {}
     for caching in (True, False):
         tight = _engine(tiny_llama_dir, num_blocks=14, max_num_seqs=4, max_num_batched_tokens=16,
                         enable_prefix_caching=caching)
         tight.add_request("r", prompt, params)
-        out = _run(tight)["r"]
+        out = run_engine(tight)["r"]
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
         m = tight.metrics()
         assert m["preemptions"] > 0 and m["cache"]["in_use_blocks"] == 0
@@ -121,10 +112,10 @@ def test_samples_mixed_with_other_requests(tiny_llama_dir):
     together = _engine(tiny_llama_dir)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         together.add_request(f"r{i}", p, sp)
-    mixed = _run(together)
+    mixed = run_engine(together)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         alone = _engine(tiny_llama_dir)
         alone.add_request("x", p, sp)
-        ref = _run(alone)["x"]
+        ref = run_engine(alone)["x"]
         assert [c.token_ids for c in mixed[f"r{i}"].outputs] == [c.token_ids for c in ref.outputs]
         assert mixed[f"r{i}"].num_computed_prompt_tokens == len(p)
