@@ -22,8 +22,7 @@ def measure(model_dir: str, groups: int, per_group: int, prefix: int, question: 
     from radixkv.engine.batch import build_batch
     from radixkv.engine.block_tables import PrefixGroupCache
     from radixkv.engine.config import EngineConfig
-    from radixkv.engine.cuda_graph import (GROUP_BUCKETS, MIN_SHARED_BATCH, SPLIT_BUCKETS, capture_sizes,
-                                           shared_graph_key)
+    from radixkv.engine.cuda_graph import MIN_SHARED_BATCH, capture_sizes, shared_graph_key, start_up_shared_keys
     from radixkv.engine.engine import Engine
     from radixkv.engine.sampling_params import SamplingParams
 
@@ -34,8 +33,7 @@ def measure(model_dir: str, groups: int, per_group: int, prefix: int, question: 
     e = Engine(cfg)
     sizes = capture_sizes(min(cfg.max_cuda_graph_batch, cfg.max_num_seqs))
     max_blocks = -(-e.runner.max_positions // e.runner.block_size)
-    at_start = {(bs, GROUP_BUCKETS[0], SPLIT_BUCKETS[0]) for bs in sizes if bs >= MIN_SHARED_BATCH}
-    at_start |= {(sizes[-1], GROUP_BUCKETS[0], s) for s in SPLIT_BUCKETS}
+    at_start = set(start_up_shared_keys(sizes, MIN_SHARED_BATCH))
     cache = PrefixGroupCache(e.runner.block_size, cfg.shared_prefix_min_saved_tokens)
     keys, decode_steps = collections.Counter(), 0
     execute = e.runner.execute

@@ -60,6 +60,17 @@ def shared_graph_key(n: int, groups, sizes: list[int], min_shared_batch: int, ma
     return (bs, g, splits)
 
 
+def start_up_shared_keys(sizes: list[int], min_shared_batch: int) -> list[tuple]:
+    """The shared-prefix graph shapes captured at start, largest first: one group and one
+    split for every size from min_shared_batch up, and the largest size with every split
+    count (the split count is the one shape the kernels compile for: every variant compiles
+    at start, not inside a served step)."""
+    if sizes[-1] < min_shared_batch:
+        return []
+    keys = [(bs, GROUP_BUCKETS[0], SPLIT_BUCKETS[0]) for bs in reversed(sizes) if bs >= min_shared_batch]
+    return keys + [(sizes[-1], GROUP_BUCKETS[0], s) for s in SPLIT_BUCKETS[1:]]
+
+
 class DecodeGraphs:
     def __init__(self, model, max_batch: int, max_blocks: int, device, *, shared_prefix: bool = False,
                  min_shared_batch: int = MIN_SHARED_BATCH):
@@ -95,14 +106,9 @@ class DecodeGraphs:
         self._pool = None  # one memory pool for every graph, made at the first capture
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
             self._capture(bs)
-        if shared_prefix and self.sizes[-1] >= min_shared_batch:
-            for bs in reversed(self.sizes):
-                if bs >= min_shared_batch:
-                    self._capture((bs, GROUP_BUCKETS[0], SPLIT_BUCKETS[0]))
-            # The split count is the one shape of these graphs that the kernels compile for:
-            # compile every variant now, not inside a served step.
-            for splits in SPLIT_BUCKETS[1:]:
-                self._capture((self.sizes[-1], GROUP_BUCKETS[0], splits))
+        if shared_prefix:
+            for key in start_up_shared_keys(self.sizes, min_shared_batch):
+                self._capture(key)
 
     # ---- capture ------------------------------------------------------------------------
     def _meta(self, key) -> AttentionMetadata:
