@@ -2,14 +2,15 @@
 the same K/V laid out contiguously, plus the copy bandwidth and bf16 matmul rate of the
 same run as ceilings.
 
-    python3 benchmarks/kernels.py [--sweep] [--out-dir benchmarks/results]
+    python3 benchmarks/kernels.py [--sweep [all|decode|prefill]] [--out-dir benchmarks/results]
 
 One layer, 32 query / 8 kv heads, head dim 128, bf16, block size 16. Decode at batch
 {1, 32, 256} x context {512, 4k, 32k}; prefill of a 2,048-token chunk over a 0 / 8k prefix.
 Times are GPU times: each call captured in a CUDA graph (as the engine runs decode), median
 over replays, rotating among enough input sets that small problems are not served from L2.
 The eager column (triton.testing.do_bench) adds Python and launch overhead.
---sweep also times alternative tile configs per shape (for tuning the defaults).
+--sweep also times alternative tile configs per shape (for tuning the defaults); --sweep
+prefill (or decode) only for that kind of shape.
 """
 
 import argparse
@@ -44,10 +45,10 @@ DECODE_SHAPES = [(b, c) for b in (1, 32, 256) for c in (512, 4096, 32768)]
 PREFILL_SHAPES = [(2048, 0), (2048, 8192)]
 DECODE_SWEEP = [AttentionConfig(16, 64, 4, 2), AttentionConfig(16, 64, 4, 3),
                 AttentionConfig(16, 128, 4, 2), AttentionConfig(16, 64, 2, 3)]
-PREFILL_SWEEP = [AttentionConfig(128, 128, 8, 3), AttentionConfig(128, 64, 4, 3),
-                 AttentionConfig(128, 64, 4, 2), AttentionConfig(128, 64, 4, 4),
-                 AttentionConfig(128, 32, 4, 3), AttentionConfig(64, 64, 4, 3),
-                 AttentionConfig(64, 32, 4, 3)]
+PREFILL_SWEEP = [AttentionConfig(m, n, w, s) for m, n, w, s in (
+    (256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3),
+    (128, 32, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+    (128, 32, 4, 3))]
 
 
 def graph_time(fns) -> float:
@@ -235,7 +236,8 @@ def to_markdown(res) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "decode", "prefill"),
+                    help="also time alternative tile configs (of one kind of shape)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--only", choices=["decode", "prefill"], default=None)
     ap.add_argument("--smoke", action="store_true",
@@ -247,8 +249,8 @@ def main(argv=None):
         sys.exit("benchmarks/kernels.py needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
     gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
     res = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "command": " ".join(["python3 benchmarks/kernels.py"] + [a for a in ("--sweep", "--smoke")
-                                                                     if getattr(args, a[2:])]
+           "command": " ".join(["python3 benchmarks/kernels.py"] + ([f"--sweep {args.sweep}"] if args.sweep else [])
+                               + (["--smoke"] if args.smoke else [])
                                + ([f"--only {args.only}"] if args.only else [])),
            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)", "torch": torch.__version__,
            "triton": triton.__version__, "python": platform.python_version(),
@@ -261,7 +263,7 @@ def main(argv=None):
     if args.only in (None, "prefill"):
         shapes += [("prefill", 1, prefix + n, n) for n, prefix in prefill_shapes]
     for kind, batch, ctx, n_q in shapes:
-        row = run_shape(kind, batch, ctx, n_q, args.sweep, gen, res["ceilings"])
+        row = run_shape(kind, batch, ctx, n_q, args.sweep in ("all", kind), gen, res["ceilings"])
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
     os.makedirs(args.out_dir, exist_ok=True)

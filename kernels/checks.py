@@ -107,10 +107,14 @@ def check_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         _fail("scale", f"expected a positive float, got {scale!r}")
     if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
         _fail("max_seqlen_q", f"expected a positive int, got {max_seqlen_q!r}")
+    if max_seqlen_q * q.stride(0) >= 2 ** 31:  # the kernel's in-chunk offsets are 32-bit
+        _fail("max_seqlen_q", f"chunks of {max_seqlen_q} tokens x {q.stride(0)} elements exceed 2^31")
     if out is not None:
         check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=dev)
         if out.shape != q.shape or out.stride(-1) != 1:
             _fail("out", f"shape {tuple(out.shape)} must equal q's {tuple(q.shape)}, last dim contiguous")
+        if max_seqlen_q * out.stride(0) >= 2 ** 31:
+            _fail("max_seqlen_q", f"chunks of {max_seqlen_q} tokens x {out.stride(0)} elements exceed 2^31")
     if dev.type == "cpu" and batch:
         cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
         n_q = [b - a for a, b in zip(cu, cu[1:])]

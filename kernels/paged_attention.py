@@ -38,16 +38,14 @@ def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(acc, l_i, m_i, q, qk_scale, k_ptr, v_ptr, bt_row_ptr, start, hi, q_pos,
+def _attend_tile(acc, l_i, m_i, q, qk_scale, k_ptr, v_ptr, blk, start, hi, q_pos,
                  offs_n, offs_d, kv_head_off, stride_kb, stride_ko,
                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  MASKED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    # blk: the paged block id of each of the tile's BLOCK_N tokens
     n = start + offs_n
     if MASKED:
         n_ok = n < hi
-        blk = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n_ok, other=0)
-    else:
-        blk = tl.load(bt_row_ptr + n // BLOCK_SIZE)
     kv_off = blk.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ko + kv_head_off
     ptrs = kv_off[:, None] + offs_d[None, :]
     if MASKED:
@@ -120,14 +118,28 @@ def _paged_attention_kernel(
     rows = tl.arange(0, BLOCK_M)
     tok = q_block * BLOCK_Q + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
-    row_ok = (tok < n_q) & (rows < BLOCK_Q * GROUP)
-    q_pos = ctx - n_q + tok
+    if BLOCK_Q * GROUP == BLOCK_M:
+        row_ok = tok < n_q
+    else:  # rows past the last whole group are padding
+        row_ok = (tok < n_q) & (rows < BLOCK_Q * GROUP)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    tok64 = (q_start + tok).to(tl.int64)
-    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=q_mask, other=0.0)
+    if BLOCK_D != HEAD_DIM:
+        io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    else:
+        io_mask = row_ok[:, None]
+    # 64-bit only in the chunk's base pointer: offsets within a chunk fit 32 bits (checked on
+    # the host), and fewer 64-bit row vectors live across the loops keeps 256-row tiles
+    # from spilling registers.
+    # Rows past the chunk's end read its last token instead of a masked load (never stored):
+    # a load mask would be one more tile-sized value competing for registers.
+    q_rows = q_ptr + q_start.to(tl.int64) * stride_qt
+    q_tok = tl.minimum(tok, n_q - 1)
+    if BLOCK_D != HEAD_DIM:
+        q = tl.load(q_rows + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        q = tl.load(q_rows + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :])
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -148,25 +160,43 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for start in range(lo, mid, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, qk_scale, k_ptr, v_ptr, bt_row, start, hi, q_pos,
-                                     offs_n, offs_d, kv_head_off, stride_kb, stride_ko,
-                                     BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST, IEEE)
+    if IS_DECODE:  # many light programs per SM hide the table load's latency
+        for start in range(lo, mid, BLOCK_N):
+            blk = tl.load(bt_row + (start + offs_n) // BLOCK_SIZE)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, qk_scale, k_ptr, v_ptr, blk, start, hi, tok,
+                                         offs_n, offs_d, kv_head_off, stride_kb, stride_ko,
+                                         BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST, IEEE)
+    else:
+        # Block ids one tile ahead: K/V addresses then wait on no load of the same
+        # iteration, and the pipeliner keeps num_stages - 1 tiles in flight instead of one.
+        nxt = lo + offs_n
+        blk_next = tl.load(bt_row + nxt // BLOCK_SIZE, mask=nxt < mid, other=0)
+        for start in range(lo, mid, BLOCK_N):
+            blk = blk_next
+            nxt = start + BLOCK_N + offs_n
+            blk_next = tl.load(bt_row + nxt // BLOCK_SIZE, mask=nxt < mid, other=0)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, qk_scale, k_ptr, v_ptr, blk, start, hi, tok,
+                                         offs_n, offs_d, kv_head_off, stride_kb, stride_ko,
+                                         BLOCK_SIZE, HEAD_DIM, BLOCK_D, False, UPCAST, IEEE)
+    q_pos = ctx - n_q + tok  # only the masked tiles need positions: not live in the loop above
     for start in range(mid, hi, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, qk_scale, k_ptr, v_ptr, bt_row, start, hi, q_pos,
+        n = start + offs_n
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n < hi, other=0)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, qk_scale, k_ptr, v_ptr, blk, start, hi, q_pos,
                                      offs_n, offs_d, kv_head_off, stride_kb, stride_ko,
                                      BLOCK_SIZE, HEAD_DIM, BLOCK_D, True, UPCAST, IEEE)
 
     if NUM_SPLITS > 1:
         # Unnormalised partials; an empty split writes m = -inf, l = 0, acc = 0.
-        prow = (tok64 * NUM_HEADS + head) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+        prow = ((q_start + tok).to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
         tl.store(part_ml_ptr + prow * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=row_ok)
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=q_mask)
+        out_rows = out_ptr + q_start.to(tl.int64) * stride_ot
+        tl.store(out_rows + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, *, scale,
