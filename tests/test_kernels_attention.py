@@ -134,6 +134,8 @@ def test_bad_arguments_name_the_argument(fn):
         assert torch.isnan(out).all(), f"{name}: output touched by a rejected call"
     with pytest.raises(ValueError, match="max_seqlen_q"):
         fn(**good, scale=0.25, max_seqlen_q=1)
+    with pytest.raises(ValueError, match="max_seqlen_q.*2\\^31"):  # in-chunk offsets are 32-bit
+        fn(**good, scale=0.25, max_seqlen_q=2 ** 31 // q.stride(0))
     with pytest.raises(ValueError, match="scale"):
         fn(**good, scale=-1.0, max_seqlen_q=2)
     with pytest.raises(ValueError, match="out"):
