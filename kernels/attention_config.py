@@ -76,7 +76,7 @@ def default_config(device, *, num_seqs, kv_heads, group, head_dim, max_seqlen_q,
         return AttentionConfig(max(32, next_pow2(group)), 32, num_warps=4, num_stages=2)
     if block_d > 128:
         return AttentionConfig(max(64, next_pow2(group)), 64, num_warps=8, num_stages=2)
-    # 64 query tokens x 4 heads per program, 64-key tiles in 3 stages: fastest of 11 tile
-    # shapes at 2k tokens over no prefix (85 us) and over an 8k prefix (645 us; 128 x 128
-    # tiles: 695), once block ids are loaded a tile ahead.
+    # 64 query tokens x 4 heads per program, 64-key tiles in 3 stages: of 11 tile shapes
+    # (benchmarks/kernels.py --sweep prefill), fastest for 2k tokens over no prefix (85 us)
+    # and within 2% over an 8k prefix (656 us; 128 x 128 tiles: 690).
     return AttentionConfig(max(256, next_pow2(group)), 64, num_warps=8, num_stages=3)

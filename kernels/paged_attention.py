@@ -3,8 +3,10 @@
 A program owns a tile of BLOCK_M rows = BLOCK_Q query tokens x the GROUP query heads
 that share one kv head (GQA/MQA), so each K/V tile is read once for the whole group.
 Keys and values are gathered BLOCK_N tokens at a time through the block table (several
-paged blocks per iteration keeps enough bytes in flight). Tiles that every row may see
-run without masks; only the tiles on the causal diagonal (or the context end) are masked.
+paged blocks per iteration keeps enough bytes in flight); prefill tiles look their block
+ids up one iteration early, so the software pipeliner keeps K/V tiles in flight. Tiles
+that every row may see run without masks; only the tiles on the causal diagonal (or the
+context end) are masked.
 With NUM_SPLITS > 1 the context is cut into splits whose unnormalised partials a second
 launch merges (flash-decoding), for decode batches too small to fill the GPU.
 """
@@ -42,7 +44,7 @@ def _attend_tile(acc, l_i, m_i, q, qk_scale, k_ptr, v_ptr, blk, start, hi, q_pos
                  offs_n, offs_d, kv_head_off, stride_kb, stride_ko,
                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  MASKED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    # blk: the paged block id of each of the tile's BLOCK_N tokens
+    # blk: the paged block id of each of the tile's BLOCK_N tokens; q_pos read only if MASKED
     n = start + offs_n
     if MASKED:
         n_ok = n < hi
@@ -128,11 +130,9 @@ def _paged_attention_kernel(
         io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     else:
         io_mask = row_ok[:, None]
-    # 64-bit only in the chunk's base pointer: offsets within a chunk fit 32 bits (checked on
-    # the host), and fewer 64-bit row vectors live across the loops keeps 256-row tiles
-    # from spilling registers.
-    # Rows past the chunk's end read its last token instead of a masked load (never stored):
-    # a load mask would be one more tile-sized value competing for registers.
+    # 256-row tiles sit at the register limit, so keep few tile-sized values alive: 64 bits
+    # only in the chunk's base pointer (in-chunk offsets fit 32, checked on the host), and
+    # rows past the chunk's end read its last token (never stored) instead of a load mask.
     q_rows = q_ptr + q_start.to(tl.int64) * stride_qt
     q_tok = tl.minimum(tok, n_q - 1)
     if BLOCK_D != HEAD_DIM:
