@@ -5,7 +5,7 @@ from the engine, so the front never loads torch for it. Every message is a tagge
 msgspec struct encoded with msgpack; one decoder per direction decodes the union.
 
 Front -> worker (one PUSH/PULL pipe):  GenerateRequest, AbortRequest.
-Worker -> front (another pipe):        WorkerReady, StepOutput, RequestRejected, WorkerFatal.
+Worker -> front (another pipe):        WorkerReady, StepOutput, RequestRejected, Heartbeat, WorkerFatal.
 
 A StepOutput carries every request that had news in one engine step, so the
 message rate follows the step rate, not the token rate.
@@ -93,7 +93,8 @@ class ChoiceDelta(msgspec.Struct, omit_defaults=True, array_like=True):
     logprobs: Union[list[float], None] = None
     # per new token: {token id: logprob} of the most likely tokens, when asked for
     top_logprobs: Union[list[dict[int, float]], None] = None
-    finish_reason: Union[str, None] = None  # None | "stop" | "length" | "abort"
+    # None | "stop" | "length" | "abort" | "error" (the engine failed this request; the worker logged why)
+    finish_reason: Union[str, None] = None
 
 
 class RequestDelta(msgspec.Struct, omit_defaults=True, array_like=True):
@@ -110,10 +111,19 @@ class StepOutput(msgspec.Struct, tag="step", omit_defaults=True):
 
 
 class RequestRejected(msgspec.Struct, tag="rejected", omit_defaults=True):
-    """add_request raised ValueError: bad input the front could not see (e.g. the pool is too small)."""
+    """add_request refused the request: bad input the front could not see (e.g. the pool is too
+    small). `param` names the request field at fault, when one is."""
 
     request_id: str
     message: str
+    param: Union[str, None] = None
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """Sent by the worker's loop at least every heartbeat_interval_s, busy or idle: a front that
+    hears nothing for much longer knows the loop is stuck (a frozen process), not just busy."""
+
+    steps: int  # engine steps run since start
 
 
 class WorkerFatal(msgspec.Struct, tag="fatal"):
@@ -123,7 +133,7 @@ class WorkerFatal(msgspec.Struct, tag="fatal"):
 
 
 ToWorker = Union[GenerateRequest, AbortRequest]
-FromWorker = Union[WorkerReady, StepOutput, RequestRejected, WorkerFatal]
+FromWorker = Union[WorkerReady, StepOutput, RequestRejected, Heartbeat, WorkerFatal]
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -134,6 +144,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
     parent_pid: int
     engine_args: dict[str, Union[str, int, float, bool, None]]
     stats_interval_s: float = 0.5
+    heartbeat_interval_s: float = 1.0
     torch_threads: Union[int, None] = None  # None: every core but one, which the front needs
 
 
