@@ -1,6 +1,5 @@
-"""The FastAPI app: routes, bearer auth with per-key cache salts, body size limit."""
+"""The FastAPI app: routes, bearer auth, body size limit, and the gate that closes at shutdown."""
 
-import hashlib
 import hmac
 from contextlib import asynccontextmanager
 
@@ -18,42 +17,81 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 _json = msgspec.json.Encoder()
 
 
-def key_salt(api_key: str) -> str:
-    """A tenant's default cache salt: derived from its key, so no other tenant can name it
-    without the key, and stable across restarts."""
-    return "key-" + hashlib.sha256(b"radixkv cache salt\0" + api_key.encode()).hexdigest()[:32]
-
-
 class GuardMiddleware:
-    """Pure ASGI (streams pass through untouched): 413 on an oversized body, 401 on /v1/*
-    without a configured bearer key; a good key's salt goes into the scope."""
+    """Pure ASGI (streams pass through untouched), in front of every route:
+    - 413 on a body over the cap, whether announced by Content-Length or sent chunked (a
+      chunked body is read here up to the cap, then handed on whole);
+    - 401 on /v1/* (and /metrics with protect_metrics) without a configured bearer key; the
+      key that matched goes into the scope, for the tenant's cache salt;
+    - 503 on /v1/* once the server is draining for shutdown."""
 
-    def __init__(self, app, api_keys: list[str], max_body_bytes: int = MAX_BODY_BYTES):
-        self.app = app
-        self.keys = [(k.encode(), key_salt(k)) for k in api_keys]
+    def __init__(self, app, state: ServerState, max_body_bytes: int = MAX_BODY_BYTES,
+                 protect_metrics: bool = False):
+        self.app, self.state = app, state
+        self.keys = [k.encode() for k in state.api_keys]
         self.max_body_bytes = max_body_bytes
+        self.protect_metrics = protect_metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        length = headers.get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            err = APIError(413, f"request body larger than {self.max_body_bytes} bytes", code="request_too_large")
-            return await _send_error(send, err)
-        if self.keys and scope["path"].startswith("/v1/"):
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            salt = None
-            if scheme.lower() == b"bearer":
-                for key, key_salt_ in self.keys:
-                    if hmac.compare_digest(token.strip(), key):
-                        salt = key_salt_
-            if salt is None:
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await _send_error(send, self._too_large())
+        path = scope["path"]
+        if self.keys and (path.startswith("/v1/") or (self.protect_metrics and path == "/metrics")):
+            key = self._bearer_key(headers)
+            if key is None:
                 err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key")
                 return await _send_error(send, err, [(b"www-authenticate", b"Bearer")])
-            scope["radixkv.key_salt"] = salt
+            scope["radixkv.api_key"] = key
+        if self.state.draining and path.startswith("/v1/"):
+            return await _send_error(send, APIError(503, "the server is shutting down", code="engine_unavailable"))
+        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            receive = await self._read_capped(receive)
+            if receive is None:
+                return await _send_error(send, self._too_large())
         await self.app(scope, receive, send)
+
+    def _bearer_key(self, headers) -> bytes | None:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer":
+            return None
+        token = token.strip()
+        found = None
+        for key in self.keys:  # every key compared, in constant time each
+            if hmac.compare_digest(token, key):
+                found = key
+        return found
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body larger than {self.max_body_bytes} bytes", code="request_too_large")
+
+    async def _read_capped(self, receive):
+        """Read a body of unannounced length (chunked) up to the cap: a receive() that replays it,
+        or None once it grows past the cap."""
+        parts, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client went away: let the app see it
+                break
+            parts.append(msg.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_body_bytes:
+                return None
+            if not msg.get("more_body", False):
+                msg = None
+                break
+        pending = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+        if msg is not None:
+            pending.append(msg)
+
+        async def replay():
+            return pending.pop(0) if pending else await receive()
+
+        return replay
 
 
 async def _send_error(send, err: APIError, extra_headers=()) -> None:
@@ -69,7 +107,7 @@ def _json_response(obj) -> Response:
     return Response(_json.encode(obj), media_type="application/json")
 
 
-def build_app(state: ServerState, *, on_shutdown=None) -> FastAPI:
+def build_app(state: ServerState, *, on_shutdown=None, protect_metrics: bool = False) -> FastAPI:
     """on_shutdown: an async callable run when the app's lifespan ends."""
 
     @asynccontextmanager
@@ -82,14 +120,15 @@ def build_app(state: ServerState, *, on_shutdown=None) -> FastAPI:
 
     app = FastAPI(title="radixkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_keys=state.api_keys)
+    app.add_middleware(GuardMiddleware, state=state, protect_metrics=protect_metrics)
     app.state.radixkv = state
 
     @app.get("/health")
     async def health():
-        if state.supervisor.is_running():
+        if state.supervisor.is_running() and not state.draining:
             return _json_response({"status": "ok"})
-        err = APIError(503, "the engine worker is not running", code="engine_unavailable")
+        why = "the server is shutting down" if state.draining else state.supervisor.client.down_reason
+        err = APIError(503, why, code="engine_unavailable")
         return Response(_json.encode(err.body()), status_code=503, media_type="application/json")
 
     @app.get("/metrics")

@@ -6,10 +6,14 @@ deltas to the asyncio queue (the "sink") of the HTTP request that owns it, so th
 worker's sends never back up. Requests go out on a plain socket with NOBLOCK and no
 high-water mark: a send never blocks the event loop, and the worker drains its
 pipe every step, so the queue stays short.
+
+Every message from the worker (a heartbeat at least once a second) stamps `last_heard`,
+which the supervisor's watchdog reads to tell a frozen worker from a busy one.
 """
 
 import asyncio
 import logging
+import time
 
 import zmq
 import zmq.asyncio
@@ -45,6 +49,8 @@ class EngineClient:
         self.ready: P.WorkerReady | None = None  # set while a worker is up
         self.stats: P.EngineStats | None = None
         self.fatal_message: str | None = None
+        self.last_heard = time.monotonic()  # when the worker last sent anything
+        self.down_reason = "engine worker is not running"  # what a 503 says while no worker is ready
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -66,10 +72,17 @@ class EngineClient:
         return self.ready
 
     def mark_dead(self, reason: str) -> None:
-        """The worker is gone: every in-flight request fails now, new ones get 503."""
+        """The worker is gone: every in-flight request fails now, new ones get 503. `reason` is a
+        short phrase clients may see ("engine worker died"); details go to the log only."""
         self.ready = None
+        self.down_reason = reason
         if self._ready_event is not None:
             self._ready_event.clear()
+        self.fail_in_flight(reason)
+
+    def fail_in_flight(self, reason: str) -> None:
+        """Every request still waiting for output gets WorkerUnavailable(reason): a 503, or an
+        error event and [DONE] on a stream that has started."""
         err = WorkerUnavailable(reason)
         sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
@@ -97,7 +110,7 @@ class EngineClient:
     def add_request(self, req: P.GenerateRequest, sink: asyncio.Queue) -> None:
         """Send a request; its RequestDelta / RequestRejected / WorkerUnavailable go to `sink`."""
         if not self.alive:
-            raise WorkerUnavailable(self.fatal_message or "engine worker is not running")
+            raise WorkerUnavailable(self.down_reason)
         assert req.request_id not in self._sinks, f"request id {req.request_id} in use"
         self._sinks[req.request_id] = sink
         try:
@@ -121,6 +134,7 @@ class EngineClient:
     async def _read_loop(self) -> None:
         while True:
             buf = await self._out.recv()
+            self.last_heard = time.monotonic()
             try:
                 msg = self._dec.decode(buf)
             except Exception:  # a malformed message must not kill the reader
@@ -143,6 +157,8 @@ class EngineClient:
             sink = self._sinks.pop(msg.request_id, None)
             if sink is not None:
                 sink.put_nowait(msg)
+        elif isinstance(msg, P.Heartbeat):
+            pass  # its arrival is the news (last_heard)
         elif isinstance(msg, P.WorkerReady):
             self.ready, self.stats, self.fatal_message = msg, msg.stats, None
             self._ready_event.set()

@@ -4,10 +4,18 @@ Start-up order: load the tokenizer, start the worker and wait for its hello (mod
 loaded, KV pool allocated), bind the port, print where it listens and the pool size.
 Exit codes: 0 after SIGINT/SIGTERM, 1 when the worker died (without
 --restart-worker) or could not start, 2 for a bad model folder.
+
+Shutdown (SIGINT/SIGTERM) drains: the listening socket closes and new requests on open
+connections get 503, in-flight requests have --shutdown-timeout seconds to finish, and
+whatever is still running then ends with a 503 body, or an error event and `data: [DONE]`
+on a stream that has started; only then does the worker stop. A second SIGINT forces exit.
 """
 
 import sys
 
+HEARTBEAT_INTERVAL_S = 1.0
+# After the drain has ended every request, what uvicorn still gives responses to be written.
+SHUTDOWN_GRACE_S = 5
 # Engine options passed to the worker only when given, so the engine's defaults apply.
 ENGINE_OPTIONS = {
     "device": str, "dtype": str, "block_size": int, "num_blocks": int, "max_num_seqs": int,
@@ -31,7 +39,20 @@ def add_arguments(p) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--restart-worker", action="store_true",
-                   help="restart a dead engine worker instead of exiting (in-flight requests still fail)")
+                   help="restart a dead or frozen engine worker instead of exiting, retrying with exponential "
+                        "backoff (0.5 s doubling to 30 s) until one is ready; in-flight requests fail with 503")
+    p.add_argument("--worker-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a ready worker that sends nothing (it sends a heartbeat every second) for this long is "
+                        "killed and handled as dead: its clients get 503 (default 60)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM, how long in-flight requests may run before they are ended (default 5)")
+    p.add_argument("--salt-secret", default=None, metavar="SECRET",
+                   help="secret for tenant cache salts (default: $RADIXKV_SALT_SECRET, else random per start); "
+                        "give the same one to replicas that share a router")
+    p.add_argument("--cache-salt-scope", choices=["key", "global"], default="key",
+                   help="key: a request's cache_salt is private to its API key (default); global: the same "
+                        "cache_salt shares cache across API keys")
+    p.add_argument("--protect-metrics", action="store_true", help="require an API key on /metrics too")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of the engine worker (default: all cores but one, left to the front)")
     p.add_argument("--worker-ready-timeout", type=float, default=600.0, help="seconds to wait for the worker to load")
@@ -64,6 +85,7 @@ def main(args) -> int:
     from tokenizer_server.launcher import WorkerSupervisor
     from tokenizer_server.metrics import ServerMetrics
     from tokenizer_server.serving_common import ServerState
+    from tokenizer_server.tenants import TenantSalts
 
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         print(f"radixkv serve: {args.model_dir!r} is not a model folder (no config.json)", file=sys.stderr)
@@ -71,7 +93,16 @@ def main(args) -> int:
     if args.torch_threads is not None and args.torch_threads < 1:
         print(f"radixkv serve: --torch-threads must be >= 1, got {args.torch_threads}", file=sys.stderr)
         return 2
+    if not args.worker_timeout > 2 * HEARTBEAT_INTERVAL_S:
+        print(f"radixkv serve: --worker-timeout must exceed {2 * HEARTBEAT_INTERVAL_S:g} s (two heartbeats), "
+              f"got {args.worker_timeout}", file=sys.stderr)
+        return 2
+    if not args.shutdown_timeout >= 0:
+        print(f"radixkv serve: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}", file=sys.stderr)
+        return 2
+    secret = args.salt_secret or os.environ.get("RADIXKV_SALT_SECRET")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("radixkv.server")
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
     exit_code = 0
 
@@ -81,9 +112,11 @@ def main(args) -> int:
         server.should_exit = True
 
     supervisor = WorkerSupervisor(engine_args_from(args), restart=args.restart_worker, on_fatal=on_fatal,
-                                  ready_timeout=args.worker_ready_timeout, torch_threads=args.torch_threads)
+                                  ready_timeout=args.worker_ready_timeout, torch_threads=args.torch_threads,
+                                  worker_timeout=args.worker_timeout, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
     state = ServerState(tokenizer=tokenizer, supervisor=supervisor, metrics=None,
-                        served_model_names=args.served_model_name or [str(args.model_dir)], api_keys=args.api_key)
+                        served_model_names=args.served_model_name or [str(args.model_dir)], api_keys=args.api_key,
+                        salts=TenantSalts(secret.encode() if secret else None, scope=args.cache_salt_scope))
     state.metrics = ServerMetrics(lambda: supervisor.client.stats, supervisor.is_running)
 
     async def shutdown() -> None:  # the lifespan's end: stop the worker while the loop still runs
@@ -103,9 +136,27 @@ def main(args) -> int:
                     flush=True,
                 )
 
-    app = build_app(state, on_shutdown=shutdown)
+        async def shutdown(self, sockets=None):
+            # Drain before uvicorn's own shutdown, which would cut what still runs after its
+            # timeout (a plain 500, or a stream without [DONE]).
+            state.draining = True
+            for srv in self.servers:
+                srv.close()  # no new connections
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + args.shutdown_timeout
+            client = supervisor.client
+            if client.num_in_flight:
+                log.info("draining %d in-flight request(s), up to %.1f s", client.num_in_flight, args.shutdown_timeout)
+            while client.num_in_flight and loop.time() < deadline and not self.force_exit:
+                await asyncio.sleep(0.05)
+            if client.num_in_flight:
+                log.warning("ending %d request(s) still running at shutdown", client.num_in_flight)
+                client.fail_in_flight("the server is shutting down")
+            await super().shutdown(sockets)
+
+    app = build_app(state, on_shutdown=shutdown, protect_metrics=args.protect_metrics)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="on")
+                            access_log=args.access_log, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, lifespan="on")
     server = Server(config)
 
     async def serve() -> int:

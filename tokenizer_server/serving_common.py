@@ -24,13 +24,16 @@ class ServerState:
     metrics: object  # ServerMetrics
     served_model_names: list[str]
     api_keys: list[str] = field(default_factory=list)
+    salts: object = None  # TenantSalts: how a request's cache salt is derived
     created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # shutting down: in-flight requests finish, new ones get 503
 
     @property
     def model_info(self) -> P.WorkerReady:
         ready = self.supervisor.client.ready
         if ready is None:
-            raise APIError(503, "the engine is unavailable: the worker is not running", code="engine_unavailable")
+            why = self.supervisor.client.down_reason
+            raise APIError(503, f"the engine is unavailable: {why}", code="engine_unavailable")
         return ready
 
 
@@ -111,10 +114,9 @@ def build_sampling(req, max_tokens: int, logprobs: int | None) -> P.SamplingOpti
 
 
 def effective_salt(request: Request, cache_salt: str | None) -> str | None:
-    """The client's salt wins; else the API key's own salt (set by the auth middleware)."""
-    if cache_salt is not None:
-        return cache_salt
-    return request.scope.get("radixkv.key_salt")
+    """The salt the engine sees: derived from the request's API key (set by the auth middleware)
+    and its cache_salt, so that no tenant can name another's (tenants.py)."""
+    return request.app.state.radixkv.salts.salt(request.scope.get("radixkv.api_key"), cache_salt)
 
 
 _encoder = msgspec.json.Encoder()
