@@ -19,23 +19,27 @@ import psutil
 from test_server_harness import assert_clean_exit, process_gone, server_factory, wait_for  # noqa: F401 (fixture)
 
 NUM_STREAMS = 50
-# ~200 tokens each: with the harness pool (96 blocks x 16) about seven run at once and the
-# rest wait, so all 50 are still in flight when the fault comes.
-STREAM = {"prompt": "tell me a story", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+# 600 tokens each: with the harness pool (96 blocks x 16) two run at once and the rest wait,
+# so nearly all are still in flight when the fault comes.
+STREAM = {"prompt": "tell me a story", "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
 class Load:
-    """NUM_STREAMS streamed completions on their own event loop and thread; `results` holds
-    (status, lines or JSON body) per request once it ends."""
+    """n streamed completions (and n // 5 non-streamed ones) on their own event loop and
+    thread; `results` holds (status, lines or JSON body) per request once it ends."""
 
     def __init__(self, srv, n: int = NUM_STREAMS, body: dict = STREAM):
         self.srv, self.n, self.body = srv, n, {"model": srv.model, **body}
-        self.results: list = [None] * n
+        self.results: list = [None] * (n + n // 5)
         self.first_token = threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
         self.thread.start()
 
     async def _one(self, client: httpx.AsyncClient, i: int) -> None:
+        if i >= self.n:
+            r = await client.post(self.srv.api + "/completions", json={**self.body, "stream": False})
+            self.results[i] = (r.status_code, r.json())
+            return
         async with client.stream("POST", self.srv.api + "/completions", json=self.body) as r:
             if r.status_code != 200:
                 self.results[i] = (r.status_code, json.loads(await r.aread()))
@@ -51,10 +55,23 @@ class Load:
     async def _run(self) -> None:
         limits = httpx.Limits(max_connections=self.n + 4)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            outcomes = await asyncio.gather(*(self._one(client, i) for i in range(self.n)), return_exceptions=True)
+            outcomes = await asyncio.gather(*(self._one(client, i) for i in range(len(self.results))),
+                                            return_exceptions=True)
         for i, o in enumerate(outcomes):
             if isinstance(o, BaseException):
                 self.results[i] = ("error", repr(o))
+
+    def wait_in_flight(self) -> None:
+        """Until every request has reached the engine (running, waiting or finished), so that none
+        is still connecting when the fault comes."""
+        assert self.first_token.wait(60)
+        total = len(self.results)
+
+        def arrived(m):
+            finished = sum(v for k, v in m.items() if k.startswith("radixkv_requests_total"))
+            return m["radixkv_num_requests_running"] + m["radixkv_num_requests_waiting"] + finished
+
+        wait_for(lambda: arrived(self.srv.metrics()) >= total, what=f"{total} requests in flight")
 
     def wait(self, timeout: float = 120.0) -> list:
         self.thread.join(timeout)
@@ -69,7 +86,12 @@ def check_outcomes(results: list) -> dict[str, int]:
         assert status in (200, 503), (status, body)
         if status == 503:
             assert body["error"]["code"] == "engine_unavailable", body
+            assert "Traceback" not in body["error"]["message"] and "Error" not in body["error"]["message"]
             kinds["refused"] += 1
+            continue
+        if isinstance(body, dict):  # a non-streamed request that finished
+            assert body["choices"][0]["finish_reason"] == "length", body
+            kinds["completed"] += 1
             continue
         assert body[-1] == "data: [DONE]", body[-3:]
         events = [json.loads(line.removeprefix("data: ")) for line in body[:-1]]
@@ -128,7 +150,7 @@ def test_worker_killed_during_50_streams_fails_them_and_a_restart_serves_again(t
 def test_sigterm_during_50_streams_drains_then_ends_the_rest(tiny_llama_dir, server_factory):
     srv = server_factory(tiny_llama_dir, "--shutdown-timeout", "1")
     load = Load(srv)
-    assert load.first_token.wait(60)
+    load.wait_in_flight()
     t0 = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     code = srv.proc.wait(timeout=60)
@@ -144,13 +166,13 @@ def test_sigterm_during_50_streams_drains_then_ends_the_rest(tiny_llama_dir, ser
 
 def test_sigterm_lets_short_requests_finish(tiny_llama_dir, server_factory):
     srv = server_factory(tiny_llama_dir, "--shutdown-timeout", "30")
-    load = Load(srv, n=10, body={**STREAM, "max_tokens": 8})
-    assert load.first_token.wait(60)
+    load = Load(srv, n=10, body={**STREAM, "max_tokens": 64})
+    load.wait_in_flight()
     srv.proc.send_signal(signal.SIGTERM)
     # new connections are refused while draining; the ten in flight all finish
     code = srv.proc.wait(timeout=60)
     kinds = check_outcomes(load.wait())
-    assert kinds == {"completed": 10, "cut": 0, "refused": 0}, kinds
+    assert kinds == {"completed": 12, "cut": 0, "refused": 0}, kinds
     assert_clean_exit(srv, code)
 
 
@@ -200,3 +222,24 @@ def test_frozen_worker_without_restart_ends_the_server(tiny_llama_dir, server_fa
     check_outcomes(load.wait())
     code = srv.proc.wait(timeout=30)
     assert_clean_exit(srv, code, expected_code=1)
+
+
+def test_body_cap_holds_for_chunked_uploads(tiny_llama_dir, server_factory):
+    srv = server_factory(tiny_llama_dir)
+    chunk = b" " * (1 << 20)
+
+    def body():  # a generator: httpx sends it chunked, with no Content-Length
+        yield b'{"model": "' + srv.model.encode() + b'", "max_tokens": 1, "prompt": "'
+        for _ in range(40):
+            yield chunk
+        yield b'"}'
+
+    r = httpx.post(srv.api + "/completions", content=body(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.request.headers.get("transfer-encoding") == "chunked"
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    small = (b'{"model": "' + srv.model.encode() + b'", "max_tokens": 1, "prompt": "hi"}',)
+    r = httpx.post(srv.api + "/completions", content=iter(small), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert_clean_exit(srv, srv.stop())
