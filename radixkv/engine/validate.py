@@ -1,58 +1,70 @@
-"""Checks of a new request against the engine's limits; ValueError naming the argument."""
+"""Checks of a new request against the engine's limits; ParamError (a ValueError) naming the field."""
 
 from __future__ import annotations
 
 from radixkv.engine.beam_search import worst_case_blocks
+from radixkv.engine.errors import ParamError
 from radixkv.engine.sampling_params import SamplingParams
 
 
 def validate_request(engine, request_id, prompt_token_ids, params, cache_salt) -> None:
     if not isinstance(request_id, str) or not request_id:
-        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        raise ParamError("request_id", f"request_id must be a non-empty str, got {request_id!r}")
     if request_id in engine.requests:
-        raise ValueError(f"request_id {request_id!r} is already in use")
+        raise ParamError("request_id", f"request_id {request_id!r} is already in use")
     if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        raise ParamError("params", f"params must be a SamplingParams, got {type(params).__name__}")
     params.validate()
     if cache_salt is not None and not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt must be None or a str, got {type(cache_salt).__name__}")
+        raise ParamError("cache_salt", f"cache_salt must be None or a str, got {type(cache_salt).__name__}")
     if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-        raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        raise ParamError("prompt_token_ids", "prompt_token_ids must be a non-empty list of token ids")
     vocab = engine.model_config.vocab_size
     bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab),
                None)
     if bad is not None:
-        raise ValueError(f"prompt_token_ids: {bad!r} is not a token id in [0, {vocab})")
+        raise ParamError("prompt_token_ids", f"prompt_token_ids: {bad!r} is not a token id in [0, {vocab})")
     bad = next((t for t in params.stop_token_ids if t >= vocab), None)
     if bad is not None:
-        raise ValueError(f"stop_token_ids: {bad} is not a token id in [0, {vocab})")
+        raise ParamError("stop_token_ids", f"stop_token_ids: {bad} is not a token id in [0, {vocab})")
     n_prompt, limit = len(prompt_token_ids), engine.max_model_len
     if n_prompt >= limit:
-        raise ValueError(
+        raise ParamError(
+            "prompt_token_ids",
             f"prompt_token_ids: prompt of {n_prompt} tokens leaves no room to generate: the context limit is "
-            f"{limit} tokens (model {engine.runner.max_positions}, KV pool {engine.num_blocks * engine.block_size})"
+            f"{limit} tokens (model {engine.runner.max_positions}, KV pool {engine.num_blocks * engine.block_size})",
         )
     if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
-        raise ValueError(
+        raise ParamError(
+            "max_tokens",
             f"max_tokens: prompt ({n_prompt}) + max_tokens ({params.max_tokens}) exceeds the context limit of "
-            f"{limit} tokens (model {engine.runner.max_positions}, KV pool {engine.num_blocks * engine.block_size})"
+            f"{limit} tokens (model {engine.runner.max_positions}, KV pool {engine.num_blocks * engine.block_size})",
         )
     if params.num_samples > engine.config.max_num_seqs:
-        name = "beam_width" if params.use_beam_search else "best_of/n"
-        raise ValueError(f"{name}: {params.num_samples} sequences exceed max_num_seqs ({engine.config.max_num_seqs})")
+        name = _width_field(params)
+        raise ParamError(name, f"{name}: {params.num_samples} sequences exceed max_num_seqs "
+                               f"({engine.config.max_num_seqs})")
     if params.use_beam_search:
         _validate_beam_search(engine, n_prompt, params)
+
+
+def _width_field(params: SamplingParams) -> str:
+    """The field that set how many sequences the request runs."""
+    if params.use_beam_search and params.beam_width is not None:
+        return "beam_width"
+    return "best_of" if params.best_of is not None else "n"
 
 
 def _validate_beam_search(engine, n_prompt: int, params: SamplingParams) -> None:
     W, vocab = params.num_beams, engine.model_config.vocab_size
     candidates = W * max(2, 1 + len(engine.finish_token_ids(params)))
     if candidates > vocab:
-        raise ValueError(f"beam_width: {W} beams rank {candidates} candidates per step, more than the "
-                         f"vocabulary ({vocab})")
+        name = _width_field(params)
+        raise ParamError(name, f"{name}: {W} beams rank {candidates} candidates per step, more than the "
+                               f"vocabulary ({vocab})")
     max_new = engine.max_new_tokens(n_prompt, params)
     need = worst_case_blocks(n_prompt, max_new, W, engine.block_size)
     if need > engine.num_blocks:
-        raise ValueError(f"max_tokens: {W} beams over a prompt of {n_prompt} tokens may hold {need} KV blocks "
-                         f"({max_new} new tokens each), more than the pool's {engine.num_blocks}; lower "
-                         f"max_tokens or beam_width")
+        raise ParamError("max_tokens", f"max_tokens: {W} beams over a prompt of {n_prompt} tokens may hold {need} KV "
+                                       f"blocks ({max_new} new tokens each), more than the pool's {engine.num_blocks}; "
+                                       "lower max_tokens or beam_width")
