@@ -5,6 +5,9 @@ top-k / top-p and a draw. The draw is an exponential race (argmax of p / E with 
 which samples from p; each seeded sequence fills its own E from its own generator, so its
 tokens do not depend on what else is in the batch. Logprobs are of the raw model
 distribution (before penalties and temperature).
+
+Every field value that passes SamplingParams.validate is safe here: top_k and logprobs are
+clamped to the vocabulary in Python before any tensor is built from them.
 """
 
 from __future__ import annotations
@@ -60,11 +63,38 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) ->
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+class DrawLog:
+    """States of the seeded generators before their draws since the last checkpoint().
+
+    NOTE: a step whose compute fails is computed again without the request at fault
+    (engine.py). A seeded sequence must then draw what it would have drawn, so each seeded
+    generator's state is noted before its draw (a host copy, ~1 us, seeded rows only) and
+    rewind() puts it back. Unseeded rows draw from the shared generator, whose stream depends
+    on the batch anyway."""
+
+    def __init__(self):
+        self._states: list[tuple[torch.Generator, torch.Tensor]] = []
+
+    def note(self, generator: torch.Generator) -> None:
+        self._states.append((generator, generator.get_state()))
+
+    def checkpoint(self) -> None:
+        """A new attempt at a step begins: forget the states noted so far."""
+        self._states.clear()
+
+    def rewind(self) -> None:
+        """Put the generators back as they were at the last checkpoint()."""
+        for generator, state in reversed(self._states):
+            generator.set_state(state)
+        self._states.clear()
+
+
 class Sampler:
     def __init__(self, device, eos_token_ids: tuple[int, ...], seed: int = 0):
         self.device = torch.device(device)
         self.eos = list(eos_token_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)  # unseeded requests
+        self.draws = DrawLog()
 
     def _seq_generator(self, seq: Sequence) -> torch.Generator:
         if seq.generator is None:
@@ -109,7 +139,7 @@ class Sampler:
         temp = f32([p.temperature if p.temperature > 0 else 1.0 for p in params])
         logits = logits / temp.unsqueeze(1)
         vocab = logits.shape[1]
-        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]  # any int: clamp first
         top_p = [p.top_p for p in params]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
             logits = apply_top_k_top_p(logits, torch.tensor(top_k, device=logits.device), f32(top_p))
@@ -122,7 +152,9 @@ class Sampler:
         noise.exponential_(generator=self.generator)
         for i, s in enumerate(seqs):
             if s.params.seed is not None and not s.params.greedy:
-                noise[i].exponential_(generator=self._seq_generator(s))
+                generator = self._seq_generator(s)
+                self.draws.note(generator)
+                noise[i].exponential_(generator=generator)
         # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick
         return (probs / noise.clamp_min_(1e-30)).argmax(-1)
 
@@ -131,7 +163,7 @@ class Sampler:
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         if all(k is None for k in want_lp):
             return SamplerOutput(token_list, chosen, [None] * len(token_list))
-        k_max = max(k for k in want_lp if k is not None)
+        k_max = min(max(k for k in want_lp if k is not None), raw_logprobs.shape[1])
         top_vals = top_ids = None
         if k_max > 0:
             v, ix = raw_logprobs.topk(k_max, dim=-1)
