@@ -17,20 +17,39 @@ The ranking is HF transformers' (generate(num_beams=W, do_sample=False)), step f
 - The search stops at the length limit; with early_stopping=True once W hypotheses are kept;
   otherwise once W are kept and the best running beam, scored at the current length (at the
   length limit with early_stopping="never" and length_penalty > 0), cannot beat the worst kept.
+
+Every score divides by length_power(), HF's generated_len ** length_penalty, saturated for
+extreme penalties so that any finite one neither overflows nor divides by zero.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+# NOTE: HF computes len ** length_penalty as a Python float, which overflows (OverflowError)
+# for a large penalty and reaches 0.0 (a division by zero) for a very negative one. Past
+# |length_penalty * ln(len)| = 40 the power is held at e**+-40: scores c / len ** lp of fp32
+# cumulative logprobs c then stay finite and non-zero (for 1e-20 < |c| < 1e21), and among the
+# lengths past that point hypotheses rank by c. A penalty under 40 / ln(len) (10 at 54 tokens,
+# 2 up to 4.8e8) is computed exactly as HF does.
+MAX_LOG_LENGTH_POWER = 40.0
+
+
+def length_power(length: int, length_penalty: float) -> float:
+    """The divisor of a hypothesis' score: length ** length_penalty, saturated (see the NOTE)."""
+    if length > 1 and abs(length_penalty) * math.log(length) > MAX_LOG_LENGTH_POWER:
+        return math.exp(math.copysign(MAX_LOG_LENGTH_POWER, length_penalty))
+    return length**length_penalty
 
 
 @dataclass
 class Hypothesis:
     token_ids: list[int]  # generated tokens, the finish token included
     cumulative_logprob: float
-    score: float  # cumulative_logprob / len(token_ids) ** length_penalty
+    score: float  # cumulative_logprob / length_power(len(token_ids), length_penalty)
     finish_reason: str  # "stop" | "length" | "abort"
     logprobs: list[dict[int, float]] | None = None
 
@@ -92,7 +111,7 @@ class BeamSearch:
             if at_limit or token in self.finish:
                 if j < W:  # only the first W may finish, as in HF
                     if normalised is None:  # the same fp32 ops as HF, for the same roundings
-                        normalised = (top_vals / (gen**self.length_penalty)).tolist()
+                        normalised = (top_vals / length_power(gen, self.length_penalty)).tolist()
                     self._offer(parents[beam], token, float(top_vals[j]), normalised[j],
                                 "stop" if token in self.finish else "length", self._entry(logprobs, tops, beam, token))
             elif len(keep) < W:
@@ -113,7 +132,7 @@ class BeamSearch:
             best_len = self.max_new_tokens  # a positive penalty favours the longest beams
         else:
             best_len = self.num_generated
-        best_possible = float((self.scores[:1] / (best_len**self.length_penalty))[0])
+        best_possible = float((self.scores[:1] / length_power(best_len, self.length_penalty))[0])
         return not best_possible > self.finished[-1].score
 
     def _offer(self, parent, token: int, cumulative: float, score: float, reason: str, entry) -> None:
@@ -148,7 +167,7 @@ class BeamSearch:
             lp = self.length_penalty
             for seq, cum in zip(live, self.scores.tolist()):
                 out = seq.output_token_ids
-                hyps.append(Hypothesis(list(out), cum, cum / max(1, len(out)) ** lp, "abort",
+                hyps.append(Hypothesis(list(out), cum, cum / length_power(max(1, len(out)), lp), "abort",
                                        list(seq.logprobs) if self.logprobs is not None else None))
             for h in hyps:
                 h.finish_reason = "abort"
