@@ -1,32 +1,63 @@
 """Engine: requests in, incremental token outputs out, one step at a time.
 
-Each step: schedule (running first, then admissions; preemption when the pool is full), run
-the COW copies and the forward, commit what was computed to the radix cache, fork the extra
-samples of requests whose prompt just finished, sample, and check stop conditions. Beam
-search requests skip the sampler: their beams' logits go to beam_search.py, whose choice the
-engine applies with forks and frees (ref counts only).
+Each step: schedule (running first, then admissions; preemption when the pool is full), then
+compute and apply. Compute runs the COW copies, the forward and the sampler and changes
+nothing the step is judged by: KV slot writes and block copies are redone identically when
+a step is computed again, and the extra samples of a request whose prompt just finished are
+plain Sequence objects until applied. Apply commits what was computed to the radix cache,
+forks those samples, appends the sampled tokens and checks stop conditions. Beam search
+requests skip the sampler: their beams' log-probs go to beam_search.py, whose choice apply
+carries out with forks and frees (ref counts only).
+
+NOTE: one request must not take the engine, and every other request, down with it. An
+exception in compute cannot be tied to a request, so the step is computed again in halves
+(a request's beams and samples stay together) down to the requests that fail alone; those
+finish with "error", every other request gets this step's result as if nothing had happened
+(seeded samples draw the same: sampler.DrawLog), and a failure that needs the whole batch
+(out of memory) is survived too. Apply and output building go request by request: what
+raises there fails that request only. An exception in schedule() fails every unfinished
+request. After any failure the cache's invariants are checked. What no request caused, a
+broken cache or a device-level error (errors.is_device_error), is raised from step(): the
+caller must stop. The hot path pays one try block per step, and the try blocks around each
+request's apply cost nothing until they catch (Python >= 3.11).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict
+import logging
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from radixkv.engine.beam_search import BeamSearch, worst_case_blocks
 from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.config import EngineConfig
+from radixkv.engine.errors import is_device_error
 from radixkv.engine.model_runner import ModelRunner
-from radixkv.engine.outputs import CompletionOutput, RequestOutput, request_output
-from radixkv.engine.sampler import Sampler
+from radixkv.engine.outputs import CompletionOutput, RequestOutput, failed_output, request_output
+from radixkv.engine.sampler import Sampler, SamplerOutput
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
-from radixkv.engine.sequence import Request, Sequence
+from radixkv.engine.sequence import Request, Sequence, Status
 from radixkv.engine.validate import validate_request
 from radixkv.models.config import load_model_config
 
+logger = logging.getLogger("radixkv.engine")
+
 __all__ = ["Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "SamplingParams"]
+
+
+@dataclass
+class StepResult:
+    """What compute produced for some of a step's sequences, before apply."""
+
+    scheduled: list[tuple[Sequence, int]]
+    num_tokens: int  # tokens in the forward
+    samples: list[Sequence] = field(default_factory=list)  # rows of `sampled`, new samples included
+    sampled: SamplerOutput | None = None
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, new sample)
+    beams: list[tuple[Request, torch.Tensor]] = field(default_factory=list)  # log-probs [beams, vocab]
 
 
 class Engine:
@@ -51,16 +82,19 @@ class Engine:
         self.scheduler.on_free = lambda seq: self.tables.release(seq.seq_id)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.sampler = Sampler(self.device, self.model_config.eos_token_ids, config.seed)
+        self._draws = self.sampler.draws  # apart: profilers wrap self.sampler in a plain function
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._news: dict[str, Request] = {}  # requests with outputs to report (aborts, between steps)
+        self._failed: set[str] = set()  # of those, the ones the engine failed
         self._idle_checked = True
         # computed_prompt_tokens: prompt positions computed (a prompt shared by n samples counts once);
-        # block_steps_*: finished requests' block accounting (RequestOutput), summed
+        # block_steps_*: finished requests' block accounting (RequestOutput), summed;
+        # requests_failed: requests the engine failed ("error"), among requests_finished
         self.counters = dict(prompt_tokens=0, cached_prompt_tokens=0, generation_tokens=0, computed_tokens=0,
-                             computed_prompt_tokens=0, steps=0, requests_finished=0, block_steps_held=0,
-                             block_steps_without_sharing=0)
+                             computed_prompt_tokens=0, steps=0, requests_finished=0, requests_failed=0,
+                             block_steps_held=0, block_steps_without_sharing=0)
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -72,8 +106,8 @@ class Engine:
             req.beam = self._beam_search(len(prompt_token_ids), params)
         seq = Sequence(next(self._seq_ids), req, 0, list(prompt_token_ids), pending_forks=params.num_samples - 1)
         req.seqs.append(seq)
-        self.requests[request_id] = req
         self.scheduler.add(seq)
+        self.requests[request_id] = req
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         self._idle_checked = False
 
@@ -106,12 +140,20 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if sched.scheduled:
+        """One step; outputs of the requests that had news. Raises only what the engine cannot
+        go on after (a device-level error, a broken cache invariant): see the NOTE above."""
+        failures = self.counters["requests_failed"]
+        try:
+            scheduled = self.scheduler.schedule().scheduled
+        except Exception as exc:
+            self._fail_unfinished(exc)
+            scheduled = None
+        if scheduled:
             with torch.inference_mode():
-                self._run(sched.scheduled)
-        outputs = [o for o in (self._output(r) for r in self._news.values()) if o is not None]
-        self._news.clear()
+                self._run(scheduled)
+        outputs = self._outputs()
+        if self.counters["requests_failed"] != failures:
+            self._check_cache()
         if not self.scheduler.has_unfinished() and not self._idle_checked:
             self._idle_checked = True
             if self.config.check_invariants:
@@ -119,32 +161,27 @@ class Engine:
         return outputs
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        copy_ops = self.cache.take_copy_ops()
+        try:
+            results = [self._compute(scheduled, copy_ops)]
+        except Exception as exc:
+            results = self._isolate(scheduled, copy_ops, exc)
+        self.counters["steps"] += 1
+        for result in results:
+            self._apply(result)
+
+    # ---- compute: forward and sampling, no effect on requests, scheduler or cache ------
+    def _compute(self, scheduled: list[tuple[Sequence, int]], copy_ops: list[tuple[int, int]]) -> StepResult:
+        self._draws.checkpoint()
         table = self.cache.block_table
         rows = self.tables.sync([(s.seq_id, table(s.seq_id), s.num_computed_tokens) for s, _ in scheduled])
-        batch, logits = self.runner.execute(scheduled, self.tables, rows, self.cache.take_copy_ops())
-        self.counters["steps"] += 1
-        prompt_computed, multi, B = 0, {}, self.block_size
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            self.cache.mark_computed(seq.seq_id, n)
-            end = seq.num_computed_tokens = start + n
-            req = seq.request
-            if start < len(req.prompt_token_ids):
-                k = min(end, len(req.prompt_token_ids)) - start
-                req.num_computed_prompt_tokens += k
-                prompt_computed += k
-            if len(req.seqs) == 1:  # what this step held; inline: most requests have one sequence
-                req.sharing.add_alone(-(-end // B))
-            else:
-                multi[id(req)] = req
-        self.counters["computed_tokens"] += len(batch.input_ids)
-        self.counters["computed_prompt_tokens"] += prompt_computed
-        for req in multi.values():
-            req.record_blocks(self.cache, B)
+        batch, logits = self.runner.execute(scheduled, self.tables, rows, copy_ops)
+        result = StepResult(scheduled, len(batch.input_ids))
         if logits is not None:
-            self._sample(batch.sample_seqs, logits)
+            self._sample(batch.sample_seqs, logits, result)
+        return result
 
-    def _sample(self, sample_seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _sample(self, sample_seqs: list[Sequence], logits: torch.Tensor, result: StepResult) -> None:
         rows, seqs, beam_rows = [], [], {}
         for j, seq in enumerate(sample_seqs):
             req = seq.request
@@ -153,21 +190,123 @@ class Engine:
                 continue
             rows.append(j)
             seqs.append(seq)
-            while seq.pending_forks:  # n > 1: the other samples start from this prompt's logits
-                child = Sequence(next(self._seq_ids), req, len(req.seqs), list(seq.token_ids))
-                req.seqs.append(child)
-                self.scheduler.fork(seq, child)
+            # n > 1: the other samples start from this prompt's logits; forked when applied
+            for index in range(len(req.seqs), len(req.seqs) + seq.pending_forks):
+                child = Sequence(next(self._seq_ids), req, index, list(seq.token_ids))
+                result.forks.append((seq, child))
                 rows.append(j)
                 seqs.append(child)
         if seqs:
-            out = self.sampler(logits if len(rows) == logits.shape[0] else
-                               logits[torch.tensor(rows, device=logits.device)], seqs)
-            for i, seq in enumerate(seqs):
-                self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+            result.samples = seqs
+            result.sampled = self.sampler(logits if len(rows) == logits.shape[0] else
+                                          logits[torch.tensor(rows, device=logits.device)], seqs)
         for req, row_of in beam_rows.values():
             # the scheduler runs all beams of a request in the same step
             rows = [row_of[s.seq_id] for s in req.seqs]
-            self._beam_step(req, logits[torch.tensor(rows, device=logits.device)].float().log_softmax(-1))
+            result.beams.append((req, logits[torch.tensor(rows, device=logits.device)].float().log_softmax(-1)))
+
+    def _isolate(self, scheduled: list[tuple[Sequence, int]], copy_ops: list[tuple[int, int]],
+                 exc: Exception) -> list[StepResult]:
+        """The step's compute raised: compute it again in halves to find the requests at fault."""
+        if is_device_error(exc):
+            raise exc
+        self._draws.rewind()
+        by_request: dict[int, list[tuple[Sequence, int]]] = {}
+        for item in scheduled:  # a request's beams and samples stay together
+            by_request.setdefault(id(item[0].request), []).append(item)
+        groups = list(by_request.values())
+        if len(groups) == 1:
+            self._fail(scheduled[0][0].request, exc)
+            return []
+        logger.warning("a step of %d requests failed; computing it again in halves to find the ones at fault",
+                       len(groups), exc_info=exc)
+        return self._halves(groups, copy_ops)
+
+    def _halves(self, groups: list[list[tuple[Sequence, int]]], copy_ops) -> list[StepResult]:
+        mid = len(groups) // 2
+        return self._attempt(groups[:mid], copy_ops) + self._attempt(groups[mid:], copy_ops)
+
+    def _attempt(self, groups: list[list[tuple[Sequence, int]]], copy_ops) -> list[StepResult]:
+        scheduled = [item for group in groups for item in group]
+        try:
+            return [self._compute(scheduled, self._copies_into(scheduled, copy_ops))]
+        except Exception as exc:
+            if is_device_error(exc):
+                raise
+            self._draws.rewind()
+            if len(groups) == 1:
+                self._fail(scheduled[0][0].request, exc)
+                return []
+            return self._halves(groups, copy_ops)
+
+    def _copies_into(self, scheduled: list[tuple[Sequence, int]], copy_ops: list[tuple[int, int]]):
+        """The step's copy-on-write copies into blocks of `scheduled`. Running one again before
+        its sequence writes the block again is harmless; running it for a sequence not in the
+        forward would overwrite what an earlier attempt wrote there."""
+        if not copy_ops:
+            return copy_ops
+        table = self.cache.block_table
+        blocks = {b for s, _ in scheduled for b in table(s.seq_id)}
+        return [op for op in copy_ops if op[1] in blocks]
+
+    # ---- apply: what was computed changes the requests, one request at a time ----------
+    def _apply(self, result: StepResult) -> None:
+        self._commit(result.scheduled, result.num_tokens)
+        running = Status.RUNNING
+        for parent, child in result.forks:
+            if parent.status is not running:  # its request failed in this step
+                continue
+            try:
+                parent.request.seqs.append(child)
+                self.scheduler.fork(parent, child)
+            except Exception as exc:
+                self._fail(parent.request, exc)
+        out = result.sampled
+        if out is not None:
+            for i, seq in enumerate(result.samples):
+                if seq.status is not running:
+                    continue
+                try:
+                    self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+                except Exception as exc:
+                    self._fail(seq.request, exc)
+        for req, logprobs in result.beams:
+            if req.seqs[0].status is not running:
+                continue
+            try:
+                self._beam_step(req, logprobs)
+            except Exception as exc:
+                self._fail(req, exc)
+
+    def _commit(self, scheduled: list[tuple[Sequence, int]], num_tokens: int) -> None:
+        """The computed KV enters the cache; what each request held this step is recorded."""
+        prompt_computed, multi, B = 0, {}, self.block_size
+        mark_computed, running = self.cache.mark_computed, Status.RUNNING
+        for seq, n in scheduled:
+            if seq.status is not running:  # its request failed in this step
+                continue
+            req = seq.request
+            try:
+                start = seq.num_computed_tokens
+                mark_computed(seq.seq_id, n)
+                end = seq.num_computed_tokens = start + n
+                if start < len(req.prompt_token_ids):
+                    k = min(end, len(req.prompt_token_ids)) - start
+                    req.num_computed_prompt_tokens += k
+                    prompt_computed += k
+                if len(req.seqs) == 1:  # what this step held; inline: most requests have one sequence
+                    req.sharing.add_alone(-(-end // B))
+                else:
+                    multi[id(req)] = req
+            except Exception as exc:
+                self._fail(req, exc)
+        self.counters["computed_tokens"] += num_tokens
+        self.counters["computed_prompt_tokens"] += prompt_computed
+        for req in multi.values():
+            try:
+                req.record_blocks(self.cache, B)
+            except Exception as exc:
+                self._fail(req, exc)
 
     def _beam_step(self, req: Request, logprobs: torch.Tensor) -> None:
         beams = req.seqs
@@ -220,8 +359,23 @@ class Engine:
             self.scheduler.finish(seq, reason)
 
     # ---- outputs ----------------------------------------------------------------------
+    def _outputs(self) -> list[RequestOutput]:
+        outputs = []
+        for req in list(self._news.values()):
+            try:
+                out = self._output(req)
+            except Exception as exc:
+                self._fail(req, exc)
+                out = self._output(req)  # the failed request's output, from plain fields
+            if out is not None:
+                outputs.append(out)
+        self._news.clear()
+        self._failed.clear()
+        return outputs
+
     def _output(self, req: Request) -> RequestOutput | None:
         finished = req.finished
+        out = failed_output(req) if req.request_id in self._failed else request_output(req, finished)
         if finished:
             self.requests.pop(req.request_id, None)
             c = self.counters
@@ -229,7 +383,50 @@ class Engine:
             c["cached_prompt_tokens"] += req.num_cached_tokens or 0
             c["block_steps_held"] += req.sharing.block_steps_held
             c["block_steps_without_sharing"] += req.sharing.block_steps_without_sharing
-        return request_output(req, finished)
+        return out
+
+    # ---- failures -----------------------------------------------------------------------
+    def fail_request(self, request_id: str) -> None:
+        """Fail a request from outside the step (say its output could not be delivered): like
+        abort_request, but it ends with "error". Unknown or finished: no-op."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        self._fail(req, None)
+        self._check_cache()
+
+    def _fail(self, req: Request, exc: BaseException | None) -> None:
+        """`req` cannot go on: each of its sequences still going finishes with "error" (blocks
+        freed) and the request reports so in this step's outputs. A device-level error is no
+        request's fault: raised again, for the caller to stop."""
+        if is_device_error(exc):
+            raise exc
+        if req.request_id in self._failed:  # a second error of the same request in this step
+            return
+        logger.error("request %s failed; it ends with finish_reason 'error'", req.request_id, exc_info=exc)
+        self.scheduler.discard(req, "error")
+        self._failed.add(req.request_id)
+        self._news[req.request_id] = req
+        self.counters["requests_failed"] += 1
+
+    def _fail_unfinished(self, exc: Exception) -> None:
+        """schedule() raised: what it changed before cannot be tied to one request, so every
+        unfinished request fails."""
+        if is_device_error(exc):
+            raise exc
+        unfinished = [r for r in self.requests.values() if not r.finished]
+        logger.error("scheduling failed; failing the %d unfinished requests", len(unfinished), exc_info=exc)
+        for req in unfinished:
+            self._fail(req, None)
+
+    def _check_cache(self) -> None:
+        """After a failure: the pool must still be consistent, or nothing can run on it."""
+        try:
+            self.cache.check_invariants()
+        except AssertionError:
+            logger.critical("the KV cache is inconsistent after a failed request; the engine cannot go on",
+                            exc_info=True)
+            raise
 
     # ---- introspection ----------------------------------------------------------------
     def metrics(self) -> dict:

@@ -1,6 +1,8 @@
 """What the engine reports per step: incremental outputs of requests that had news.
 
 A beam search request reports once, when it finishes: its n best hypotheses, best first.
+A request the engine failed reports once more, finished: finish_reason "error" on every
+choice it had not finished (failed_output).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ class CompletionOutput:
     new_token_ids: list[int]  # since the last output of this request
     token_ids: list[int]  # all generated so far
     logprobs: list[dict[int, float]] | None  # per new token: {sampled id: lp, top-k ids: lp}; None if not asked
-    finish_reason: str | None  # None while running, else "stop" | "length" | "abort"
+    finish_reason: str | None  # None while running, else "stop" | "length" | "abort" | "error"
     cumulative_logprob: float
     text: str | None = None  # filled by the offline LLM API (the engine works on token ids)
 
@@ -78,6 +80,30 @@ def request_output(req: "Request", finished: bool) -> RequestOutput | None:
         completions.append(CompletionOutput(rank if best_of else s.index, new, out_ids, lps, s.finish_reason,
                                             s.cumulative_logprob))
     return _with_accounting(req, completions, finished)
+
+
+def failed_output(req: "Request") -> RequestOutput:
+    """The last output of a request the engine failed: all n choices, finished. A sample that
+    finished and reported all its tokens before keeps its finish reason; every other choice
+    ends with "error", a streamed sample with the tokens it had not reported yet (best_of and
+    beam search report no tokens: they report only at the end). Plain fields only, no
+    logprobs: this is also what a request reports when building its normal output raised."""
+    p = req.params
+    streams = req.beam is None and p.num_samples == p.n
+    by_index = {s.index: s for s in req.seqs} if streams else {}
+    completions = []
+    for i in range(p.n):
+        s = by_index.get(i)
+        if s is None:  # not forked yet, or its tokens are never streamed
+            completions.append(CompletionOutput(i, [], [], None, "error", 0.0))
+            continue
+        out_ids = s.token_ids[s.num_prompt_tokens :]
+        new = out_ids[s.num_emitted :]
+        s.num_emitted = len(out_ids)
+        # a finish is reported with the sample's last token: nothing new, and it was reported
+        reason = s.finish_reason if s.finish_reason is not None and not new else "error"
+        completions.append(CompletionOutput(i, new, out_ids, None, reason, s.cumulative_logprob))
+    return _with_accounting(req, completions, True)
 
 
 def _with_accounting(req: "Request", completions: list[CompletionOutput], finished: bool) -> RequestOutput:

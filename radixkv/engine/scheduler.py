@@ -78,6 +78,29 @@ class Scheduler:
             self.beam_blocks -= beam.reserved_blocks
             beam.reserved_blocks = 0
 
+    def discard(self, request, reason: str) -> None:
+        """Finish every sequence of a request the engine failed, wherever an exception left it:
+        running, waiting, between the two with blocks held (admission cut short), or running
+        but not yet in request.seqs (a beam step cut short). Only the failure path scans."""
+        seqs = list(request.seqs)
+        seqs += [s for s in self.running if s.request is request and s not in seqs]
+        seqs += [s for s in self.waiting if s.request is request and s not in seqs]
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            if seq in self.running:
+                self.running.remove(seq)
+                self._pending_forks -= seq.pending_forks
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            if seq.seq_id in self.cache:
+                self._free(seq)
+            seq.status, seq.finish_reason, seq.pending_forks = Status.FINISHED, reason, 0
+        beam = request.beam
+        if beam is not None and beam.reserved_blocks:
+            self.beam_blocks -= beam.reserved_blocks
+            beam.reserved_blocks = 0
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares all of parent's blocks (a sample once the prompt is computed, or a beam)."""
         assert parent.status is Status.RUNNING and (parent.pending_forks > 0 or parent.request.beam is not None)
