@@ -4,11 +4,19 @@ Started by the front (tokenizer_server). Connects a PULL socket for requests and
 PUSH socket for outputs, builds the Engine, says hello (WorkerReady) and loops:
 drain the request socket without blocking while requests run (block, with a
 timeout, when idle), run one step, send one StepOutput for everything that step
-produced. Each time the engine goes idle it checks the cache invariants and sends a
+produced, and a Heartbeat whenever heartbeat_interval_s has passed since the last one,
+busy or idle. Each time the engine goes idle it checks the cache invariants and sends a
 stats snapshot, so the front's /metrics shows the settled pool.
 
-It exits on SIGTERM (the front stopping it), when its parent dies, or when the
-engine raises; in the last case it first sends WorkerFatal with the error. Parent
+A request's failure stays that request's: add_request's ValueError becomes a
+RequestRejected naming the field; any other exception while adding it, stepping it or
+converting its output is logged with its traceback and the request finishes with
+finish_reason "error" (the engine isolates the step, see engine.py). A message that does
+not decode is logged and skipped.
+
+It exits on SIGTERM (the front stopping it), when its parent dies, or when the engine
+cannot go on (a device-level error, a broken cache invariant: Engine.step raises only
+those); in the last case it first sends WorkerFatal with the error and exits with 1. Parent
 death arrives as SIGUSR1 (PR_SET_PDEATHSIG), a signal of its own, because a killed
 front's threads die one by one and the worker may hear of it while getppid() still
 names the front; a getppid check in the loop covers the moment before prctl. An
@@ -18,6 +26,7 @@ not the worker, decides the order of shutdown.
 """
 
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -28,6 +37,9 @@ import msgspec
 import zmq
 
 from radixkv import protocol as P
+from radixkv.engine.errors import is_device_error
+
+logger = logging.getLogger("radixkv.engine")
 
 IDLE_POLL_MS = 200  # how often an idle worker looks at the stop flag and its parent
 PR_SET_PDEATHSIG = 1
@@ -84,6 +96,12 @@ def to_delta(out) -> P.RequestDelta:
     return P.RequestDelta(out.request_id, choices, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
 
 
+def error_delta(request_id: str, indices, num_prompt_tokens: int, num_cached_tokens: int = 0) -> P.RequestDelta:
+    """The end of a request that failed: every choice finishes with "error", no tokens."""
+    choices = [P.ChoiceDelta(i, [], finish_reason="error") for i in indices]
+    return P.RequestDelta(request_id, choices, num_prompt_tokens, num_cached_tokens, True)
+
+
 class Worker:
     def __init__(self, cfg: P.WorkerConfig, engine, req_sock, out_sock):
         self.cfg, self.engine, self.req, self.out = cfg, engine, req_sock, out_sock
@@ -91,7 +109,9 @@ class Worker:
         self.dec = P.make_decoder("to_worker")
         self.stop = False
         self.invariant_checks = 0
+        self.steps = 0
         self.last_stats = 0.0
+        self.last_heartbeat = time.monotonic()
 
     def stats(self) -> P.EngineStats:
         m = self.engine.metrics()
@@ -113,16 +133,34 @@ class Worker:
     def send(self, msg) -> None:
         self.out.send(self.enc.encode(msg))
 
+    # ---- requests in --------------------------------------------------------------------
     def handle(self, msg) -> None:
         if isinstance(msg, P.GenerateRequest):
-            try:
-                params = to_sampling_params(msg.sampling)
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)
-            except (ValueError, TypeError) as e:  # bad input the front could not judge
-                self.send(P.RequestRejected(msg.request_id, str(e)))
+            self.add(msg)
         elif isinstance(msg, P.AbortRequest):
             for rid in msg.request_ids:
-                self.engine.abort_request(rid)
+                self.abort(rid)
+
+    def add(self, msg: P.GenerateRequest) -> None:
+        try:
+            params = to_sampling_params(msg.sampling)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)
+        except ValueError as e:  # bad input the front could not judge
+            self.send(P.RequestRejected(msg.request_id, str(e), getattr(e, "param", None)))
+        except Exception as e:
+            if is_device_error(e):
+                raise
+            logger.exception("request %s could not be added; it fails", msg.request_id)
+            self.send(P.StepOutput([error_delta(msg.request_id, range(msg.sampling.n), len(msg.prompt_token_ids))]))
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception as e:
+            if is_device_error(e):
+                raise
+            logger.exception("abort of request %s failed; failing the request instead", request_id)
+            self.engine.fail_request(request_id)
 
     def drain(self, timeout_ms: int) -> None:
         if not self.req.poll(timeout_ms, zmq.POLLIN):
@@ -132,27 +170,64 @@ class Worker:
                 buf = self.req.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.handle(self.dec.decode(buf))
+            try:
+                msg = self.dec.decode(buf)
+            except msgspec.DecodeError as e:  # ValidationError included
+                logger.warning("skipped a message of %d bytes that does not decode: %s", len(buf), e)
+                continue
+            self.handle(msg)
+
+    # ---- outputs ----------------------------------------------------------------------
+    def deltas(self, outputs) -> list[P.RequestDelta]:
+        """One delta per output; an output that does not convert fails its request only."""
+        deltas = []
+        for out in outputs:
+            try:
+                deltas.append(to_delta(out))
+            except Exception as e:
+                if is_device_error(e):
+                    raise
+                logger.exception("the output of request %s does not convert; the request fails", out.request_id)
+                if out.finished:
+                    deltas.append(error_delta(out.request_id, [c.index for c in out.outputs] or [0],
+                                              len(out.prompt_token_ids), out.num_cached_tokens))
+                else:  # the engine reports its end ("error") in the next step
+                    self.engine.fail_request(out.request_id)
+        return deltas
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self.last_heartbeat >= self.cfg.heartbeat_interval_s:
+            self.last_heartbeat = now
+            self.send(P.Heartbeat(self.steps))
+
+    def idle_poll_ms(self) -> int:
+        """Idle: wait for requests, but wake for the next heartbeat."""
+        due = self.last_heartbeat + self.cfg.heartbeat_interval_s - time.monotonic()
+        return max(0, min(IDLE_POLL_MS, int(due * 1000) + 1))
 
     def run(self) -> int:
         self.send(self.ready_message())
+        self.last_heartbeat = time.monotonic()
         dirty = False  # something happened since the last idle check
         while not self.stop and os.getppid() == self.cfg.parent_pid:
             busy = self.engine.has_unfinished_requests()
-            self.drain(0 if busy else IDLE_POLL_MS)
+            self.drain(0 if busy else self.idle_poll_ms())
             if self.engine.has_unfinished_requests():
                 dirty = True
-                outputs = self.engine.step()
+                outputs = self.engine.step()  # raises only what the worker cannot go on after
+                self.steps += 1
                 stats = None
                 if time.monotonic() - self.last_stats >= self.cfg.stats_interval_s:
                     stats = self.stats()
                 if outputs or stats is not None:
-                    self.send(P.StepOutput([to_delta(o) for o in outputs], stats))
+                    self.send(P.StepOutput(self.deltas(outputs), stats))
             if dirty and not self.engine.has_unfinished_requests():
                 dirty = False
                 self.engine.cache.check_invariants()  # AssertionError -> fatal
                 self.invariant_checks += 1
                 self.send(P.StepOutput([], self.stats()))
+            self.heartbeat()
         return 0
 
 
@@ -171,6 +246,7 @@ def main(argv=None) -> int:
             raise SystemExit(0)  # still loading the model: leave now
         worker.stop = True
 
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, on_stop_signal)
     signal.signal(PARENT_DEATH_SIGNAL, on_stop_signal)  # before prctl: its default action kills
