@@ -527,3 +527,19 @@ def test_llm_generate_returns_a_failed_prompt_with_error(tiny_llama_dir):
     assert [got[i].outputs[0].token_ids for i in (0, 2)] == [ref[i].outputs[0].token_ids for i in (0, 2)]
     assert got[0].outputs[0].text == ref[0].outputs[0].text
     assert llm.engine.cache.stats().in_use_blocks == 0
+
+
+def test_llm_generate_returns_a_prompt_it_could_not_add_with_error(tiny_llama_dir, monkeypatch):
+    llm = LLM(str(tiny_llama_dir), device="cpu", block_size=4, num_blocks=64, max_num_seqs=4)
+    add = llm.engine.add_request
+    prompts = [_prompt(6, 1), _prompt(9, 2)]
+
+    def add_or_fail(rid, ids, *args, **kw):
+        if ids == prompts[0]:
+            raise RuntimeError("injected")
+        return add(rid, ids, *args, **kw)
+
+    monkeypatch.setattr(llm.engine, "add_request", add_or_fail)
+    got = llm.generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert [[c.finish_reason for c in o.outputs] for o in got] == [["error", "error"], ["length", "length"]]
+    assert got[0].prompt_token_ids == prompts[0] and got[0].finished

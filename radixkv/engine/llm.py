@@ -6,18 +6,26 @@
 
 Parallel sampling (n, best_of) and beam search (use_beam_search, beam_width, length_penalty,
 early_stopping) come back as several outputs per prompt; beam search's are best first.
+
+A prompt the engine fails (an internal error, logged on the "radixkv.engine" logger) comes
+back finished with finish_reason "error" on every output it had not finished; the other
+prompts are unaffected.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from dataclasses import replace
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
+from radixkv.engine.errors import is_device_error
 from radixkv.engine.outputs import CompletionOutput, RequestOutput
 from radixkv.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("radixkv.engine")
 
 
 def _load_tokenizer(model_dir: str):
@@ -44,7 +52,9 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list; text, a list of token ids, or a list of either.
-        Bad input raises ValueError naming the prompt and adds nothing."""
+        Bad input raises ValueError naming the prompt and adds nothing. Returns one finished
+        output per prompt, in order; a prompt the engine failed has finish_reason "error" on
+        every output it had not finished (what it streamed before stays in token_ids)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -55,15 +65,20 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        texts, rids = {}, []
+        texts, rids, failed = {}, [], {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid, text, ids = f"llm-{next(self._ids)}", None, []
                 try:
                     text, ids = self._prompt_ids(prompt)
-                    rid = f"llm-{next(self._ids)}"
                     self.engine.add_request(rid, ids, p, cache_salt=cache_salt)
                 except ValueError as e:
                     raise ValueError(f"prompts[{i}]: {e}") from None
+                except Exception as e:
+                    if is_device_error(e):
+                        raise
+                    logger.exception("prompts[%d] could not be added; it fails", i)
+                    failed[rid] = _failed_output(rid, ids, p)
                 rids.append(rid)
                 texts[rid] = text
         except ValueError:
@@ -71,12 +86,12 @@ class LLM:
                 self.engine.abort_request(rid)
             self.engine.step()  # drain the aborts' outputs
             raise
-        return self._run(rids, texts)
+        return self._run(rids, texts, failed)
 
-    def _run(self, rids: list[str], texts: dict) -> list[RequestOutput]:
-        pending = set(rids)
+    def _run(self, rids: list[str], texts: dict, failed: dict[str, RequestOutput]) -> list[RequestOutput]:
+        pending = set(rids) - set(failed)
         logprobs: dict[tuple[str, int], list] = {}
-        done: dict[str, RequestOutput] = {}
+        done = {rid: replace(out, prompt=texts[rid]) for rid, out in failed.items()}
         while pending:
             for out in self.engine.step():
                 for c in out.outputs:
@@ -97,3 +112,10 @@ class LLM:
             completions.append(CompletionOutput(c.index, list(c.token_ids), list(c.token_ids), lps, c.finish_reason,
                                                 c.cumulative_logprob, text))
         return replace(out, outputs=completions, finished=True, prompt=prompt)
+
+
+def _failed_output(request_id: str, prompt_token_ids: list[int], params) -> RequestOutput:
+    """The output of a prompt the engine could not even add."""
+    n = params.n if isinstance(params, SamplingParams) else 1
+    completions = [CompletionOutput(i, [], [], None, "error", 0.0, "") for i in range(n)]
+    return RequestOutput(request_id, completions, list(prompt_token_ids), 0, True)
