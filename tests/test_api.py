@@ -70,8 +70,9 @@ BAD_COMPLETIONS = [
     (completion(logit_bias={"5": 1.0}), "logit_bias", "not supported"),
     (completion(prompt={"text": "x"}), "prompt", "must be a string"),
     (completion(prompt=[]), "prompt", "must be a string"),
-    (completion(prompt=[1, -2]), "prompt", "must be a string"),
+    (completion(prompt=[1, -2]), "prompt.1", "greater than or equal to 0"),
     (completion(prompt=[5000]), "prompt", "vocabulary"),
+    (completion(stop_token_ids=[5000]), "stop_token_ids", "vocabulary"),
     (completion(prompt=["ok", ""]), "prompt.1", "empty"),
     (completion(prompt=" word" * 1600), "prompt", "context"),
     ({"prompt": "x"}, "model", "required"),
@@ -117,11 +118,10 @@ def test_unknown_model_is_404(http):
 
 
 def test_engine_side_rejections_are_400(http):
-    """Checks only the engine can make (its vocabulary for stop ids, its sequence limit)
-    come back from the worker as 400 with the engine's message."""
-    assert_error(http.post("/completions", json=completion(stop_token_ids=[5000])), 400, None, "stop_token_ids")
-    assert_error(http.post("/completions", json=completion(n=9)), 400, None, "max_num_seqs")
-    assert_error(http.post("/completions", json=completion(n=9, stream=True)), 400, None, "max_num_seqs")
+    """Checks only the engine can make (its sequence limit) come back from the worker as 400
+    with the engine's message and the field it names."""
+    assert_error(http.post("/completions", json=completion(n=9)), 400, "n", "max_num_seqs")
+    assert_error(http.post("/completions", json=completion(n=9, stream=True)), 400, "n", "max_num_seqs")
 
 
 def test_oversized_body_is_413(http):

@@ -1,7 +1,8 @@
 """OpenAI-style error bodies, and the handlers that turn every bad input into one.
 
 Body: {"error": {"message", "type", "param", "code"}}. The message starts with the
-field it is about, so a client sees what to fix without reading the docs.
+field it is about, so a client sees what to fix without reading the docs. Server-side
+failures (5xx) carry a fixed, generic message: what went wrong inside goes to the log.
 """
 
 from fastapi import Request
@@ -17,6 +18,9 @@ _TYPES = {
     413: "invalid_request_error",
     503: "service_unavailable",
 }
+# How pydantic names a union member in an error's location (api_models tags members by the
+# JSON value's shape: "str", "list[int]", ...): not part of the field's path.
+_SCALAR_TYPE_NAMES = ("str", "int", "float", "bool")
 
 
 class APIError(Exception):
@@ -33,18 +37,28 @@ def bad_request(param: str, message: str, code: str | None = None) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code=code)
 
 
+def engine_failed() -> APIError:
+    """The engine failed this request (the worker logged why); the client learns only that."""
+    return APIError(500, "the engine failed while generating this request", code="engine_error")
+
+
+def internal_error() -> APIError:
+    return APIError(500, "internal server error", code="internal_error")
+
+
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
+
+
+def _is_union_label(part) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _SCALAR_TYPE_NAMES)
 
 
 def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
-    first = errors[0]
-    # A union reports one error per member; the deepest names the field most precisely.
-    same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(first.get("loc", ()))[:2]]
-    first = max(same_field, key=lambda e: len(e.get("loc", ())))
+    first = errors[0]  # the models' unions are discriminated: one error per bad value
     loc = [p for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", first.get("msg", ""))
@@ -53,9 +67,7 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
         if first.get("type") == "missing":
             return APIError(400, "request body is required (a JSON object)")
         return APIError(400, f"request body: {first.get('msg')} (expected a JSON object)")
-    # A union member's name (e.g. "list[int]") is not part of the field's path.
-    path = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in ("str", "int")))]
-    param = ".".join(path)
+    param = ".".join(str(p) for p in loc if not _is_union_label(p))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":
         msg = "field required"
@@ -75,7 +87,13 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     return JSONResponse(err.body(), status_code=err.status, headers=getattr(exc, "headers", None))
 
 
+async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette logs the traceback after this response is sent; the client sees none of it.
+    return error_response(internal_error())
+
+
 def install_error_handlers(app) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected_error)

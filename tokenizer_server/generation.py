@@ -8,13 +8,16 @@ the engine request is aborted so its blocks go back at once.
 """
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
 from radixkv import protocol as P
 from tokenizer_server.client import EngineClient, WorkerUnavailable
 from tokenizer_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from tokenizer_server.errors import APIError
+from tokenizer_server.errors import APIError, engine_failed
+
+log = logging.getLogger("radixkv.server")
 
 
 @dataclass
@@ -111,7 +114,7 @@ class GenerationGroup:
                 )
         except WorkerUnavailable as e:
             self.close()
-            raise APIError(503, f"the engine is unavailable: {e}", code="engine_unavailable") from e
+            raise _unavailable(e) from e
 
     @property
     def finished(self) -> bool:
@@ -121,13 +124,15 @@ class GenerationGroup:
         """Events of the next engine step that concerns this group (may be empty)."""
         item = await self._queue.get()
         if isinstance(item, WorkerUnavailable):
-            raise APIError(503, f"the engine is unavailable: {item}", code="engine_unavailable")
+            raise _unavailable(item)
         if isinstance(item, _Cancelled):
             raise APIError(499, f"request cancelled: {item.reason}")
         if isinstance(item, P.RequestRejected):
             self._requests[item.request_id].engine_finished = True
             self.close()
-            raise APIError(400, item.message)
+            raise APIError(400, item.message, param=item.param)
+        if any(c.finish_reason == "error" for c in item.choices):
+            self._on_engine_error(item)
         return self._on_delta(item)
 
     async def wait_started(self) -> list[ChoiceEvent]:
@@ -148,6 +153,16 @@ class GenerationGroup:
         for rid in live:
             self._requests[rid].engine_finished = True
         self.client.abort(live)
+
+    def _on_engine_error(self, d: P.RequestDelta) -> None:
+        """The engine failed one of the group's requests: the whole response fails (the others are
+        aborted), with a generic 500 or, once streaming, an error event."""
+        for c in d.choices:
+            if c.finish_reason == "error":
+                self.metrics.requests.labels("error").inc()
+        self.close()
+        log.warning("request %s: the engine failed it (the worker's log says why)", d.request_id)
+        raise engine_failed()
 
     # ---- accounting --------------------------------------------------------------------------
 
@@ -200,3 +215,8 @@ class GenerationGroup:
         if not text and not c.new_token_ids and ch.finish_reason is None:
             return None
         return ChoiceEvent(ch.index, text, list(c.new_token_ids), c.logprobs, c.top_logprobs, ch.finish_reason)
+
+
+def _unavailable(e: WorkerUnavailable) -> APIError:
+    # the reason is a short phrase from the client ("engine worker died"); details are in the log
+    return APIError(503, f"the engine is unavailable: {e}", code="engine_unavailable")

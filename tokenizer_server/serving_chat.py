@@ -5,6 +5,7 @@ import time
 from fastapi import Request
 
 from tokenizer_server.api_models import ChatCompletionRequest
+from tokenizer_server.async_tokenizer import ChatTemplateError
 from tokenizer_server.errors import bad_request
 from tokenizer_server.generation import GenerationGroup
 from tokenizer_server.serving_common import (
@@ -12,7 +13,8 @@ from tokenizer_server.serving_common import (
     ServerState,
     build_sampling,
     check_model,
-    check_prompt,
+    check_prompt_length,
+    check_stream_options,
     collect,
     effective_salt,
     new_id,
@@ -22,16 +24,23 @@ from tokenizer_server.serving_common import (
 )
 
 
-def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:
+def conversation(req: ChatCompletionRequest) -> list[dict]:
+    """The messages as the chat template reads them."""
+    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+
+
+async def render_chat(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """The conversation's token ids through the model's chat template, checked against the context."""
+    if getattr(state.tokenizer, "chat_template", None) is None:
         raise bad_request("messages", "this model has no chat template; use /v1/completions")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+    info = state.model_info
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
-    except Exception as e:  # the template itself rejects the conversation (e.g. role order)
+        enc = await state.async_tokenizer.encode_chat(
+            conversation(req), add_generation_prompt=req.add_generation_prompt, max_tokens=info.max_model_len - 1)
+    except ChatTemplateError as e:  # the template itself rejects the conversation (e.g. role order)
         raise bad_request("messages", f"the chat template rejected the messages: {e}") from e
-    # The template writes the special tokens itself.
-    return tokenizer.encode(text, add_special_tokens=False)
+    check_prompt_length(info, enc.num_tokens, "messages")
+    return enc.token_ids
 
 
 def _logprob_entry(tokenizer, tid: int, lp: float) -> dict:
@@ -58,12 +67,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise bad_request("top_logprobs", "requires logprobs: true")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("max_completion_tokens", "give max_completion_tokens or max_tokens, not both")
-    ids = render_chat(tok, req)
-    check_prompt(state, ids, "messages")
+    check_stream_options(req)
+    ids = await render_chat(state, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(state, [ids], requested, None, param)
-    sampling = build_sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    info = state.model_info
+    max_tokens = resolve_max_tokens(info, [len(ids)], requested, None, param)
+    sampling = build_sampling(req, info, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                              logprobs_param="top_logprobs")
     group = GenerationGroup(
         state.supervisor.client, tok, state.metrics, new_id("chatcmpl"), [ids], sampling,
         stop=req.stop_strings(), cache_salt=effective_salt(request, req.cache_salt),

@@ -1,9 +1,11 @@
 """What /v1/completions and /v1/chat/completions share: the server state, checks that need
-the model (context length, vocabulary), SamplingOptions, and the two ways a group's
-events leave: collected into one JSON body, or streamed as server-sent events."""
+the model (context length, vocabulary) or look at several fields at once, SamplingOptions,
+and the two ways a group's events leave: collected into one JSON body, or streamed as
+server-sent events."""
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -13,8 +15,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from radixkv import protocol as P
-from tokenizer_server.errors import APIError, bad_request
+from tokenizer_server.async_tokenizer import AsyncTokenizer
+from tokenizer_server.errors import APIError, bad_request, internal_error
 from tokenizer_server.generation import GenerationGroup
+
+log = logging.getLogger("radixkv.server")
 
 
 @dataclass
@@ -27,6 +32,10 @@ class ServerState:
     salts: object = None  # TenantSalts: how a request's cache salt is derived
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # shutting down: in-flight requests finish, new ones get 503
+    async_tokenizer: AsyncTokenizer = field(init=False)
+
+    def __post_init__(self):
+        self.async_tokenizer = AsyncTokenizer(self.tokenizer)
 
     @property
     def model_info(self) -> P.WorkerReady:
@@ -47,50 +56,113 @@ def check_model(state: ServerState, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
-    info = state.model_info
-    if not ids:
+def check_stream_options(req) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options", "only allowed with stream: true")
+
+
+def check_prompt_length(info: P.WorkerReady, num_tokens: int, param: str) -> None:
+    if num_tokens == 0:
         raise bad_request(param, "the prompt is empty (no tokens)")
-    bad = next((t for t in ids if t >= info.vocab_size), None)
-    if bad is not None:
-        raise bad_request(param, f"token id {bad} is out of the vocabulary (size {info.vocab_size})")
-    if len(ids) >= info.max_model_len:
+    if num_tokens >= info.max_model_len:
         raise bad_request(
             param,
-            f"the prompt has {len(ids)} tokens; this model's context is {info.max_model_len} tokens "
+            f"the prompt has {num_tokens} tokens; this model's context is {info.max_model_len} tokens "
             "and at least one must be left for output",
             code="context_length_exceeded",
         )
 
 
-def resolve_max_tokens(state: ServerState, prompts: list[list[int]], requested: int | None, default: int | None,
+def check_token_ids(info: P.WorkerReady, ids: list[int], param: str) -> None:
+    """Token ids from the client (a prompt, stop_token_ids) must be in the vocabulary."""
+    bad = next((t for t in ids if t >= info.vocab_size), None)
+    if bad is not None:
+        raise bad_request(param, f"token id {bad} is out of the vocabulary (size {info.vocab_size})")
+
+
+def resolve_max_tokens(info: P.WorkerReady, prompt_lens: list[int], requested: int | None, default: int | None,
                        param: str = "max_tokens") -> int:
     """requested: what the client asked for; default: None means "up to the context limit"."""
-    limit = state.model_info.max_model_len - max(len(p) for p in prompts)
+    longest = max(prompt_lens)
+    limit = info.max_model_len - longest
     if requested is None:
         return limit if default is None else min(default, limit)
     if requested > limit:
         raise bad_request(
             param,
-            f"{requested} output tokens do not fit: the prompt has {state.model_info.max_model_len - limit} tokens "
-            f"and this model's context is {state.model_info.max_model_len}",
+            f"{requested} output tokens do not fit: the prompt has {longest} tokens "
+            f"and this model's context is {info.max_model_len}",
             code="context_length_exceeded",
         )
     return requested
 
 
-def build_sampling(req, max_tokens: int, logprobs: int | None) -> P.SamplingOptions:
+def effective_top_k(top_k: int | None, vocab_size: int) -> int:
+    """-1 for off: unset, 0, or at least the vocabulary (keeping every token, as vLLM reads it)."""
+    if top_k is None or top_k == 0 or top_k >= vocab_size:
+        return -1
+    return top_k
+
+
+# Beam search ranks the model's raw log-probabilities: fields that would reshape them must stay at
+# their defaults. And the beam-only fields mean nothing without it.
+_BEAM_NEUTRAL = (("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
+                 ("presence_penalty", 0.0))
+
+
+def _check_best_of(req, best_of: int | None) -> None:
+    if best_of is None:
+        return
+    if best_of < req.n:
+        raise bad_request("best_of", f"must be >= n ({req.n}), got {best_of}")
+    if req.stream and best_of > req.n:
+        raise bad_request("best_of", "streaming is not supported when best_of > n")
+
+
+def _check_beam_only_fields(req) -> None:
+    if getattr(req, "beam_width", None) is not None:
+        raise bad_request("beam_width", "applies to beam search only (set use_beam_search: true)")
+    if getattr(req, "length_penalty", 1.0) != 1.0:
+        raise bad_request("length_penalty", "applies to beam search only (set use_beam_search: true)")
+    if getattr(req, "early_stopping", False) is not False:
+        raise bad_request("early_stopping", "applies to beam search only (set use_beam_search: true)")
+
+
+def _check_beam_search(req, top_k: int) -> None:
+    if req.stream:
+        raise bad_request("use_beam_search",
+                          "streaming is not supported with beam search (beams are ranked at the end)")
+    for name, default in _BEAM_NEUTRAL:
+        value = getattr(req, name)
+        if value is not None and value != default:
+            raise bad_request(name, f"must be {default} with use_beam_search (beams rank the raw log-probabilities)")
+    if top_k != -1:
+        raise bad_request("top_k", "must be off (-1) with use_beam_search")
+    if req.beam_width is not None and req.best_of is not None and req.best_of != req.beam_width:
+        raise bad_request("best_of", f"must equal beam_width ({req.beam_width}) with beam search")
+    width = req.beam_width or req.best_of or req.n
+    if width < 2:
+        raise bad_request("use_beam_search", "needs at least 2 beams (beam_width, or best_of / n); "
+                                             "for one, use greedy sampling (temperature 0)")
+    if req.n > width:
+        raise bad_request("n", f"{req.n} is more than the beam width ({width})")
+
+
+def build_sampling(req, info: P.WorkerReady, max_tokens: int, logprobs: int | None,
+                   logprobs_param: str = "logprobs") -> P.SamplingOptions:
     if req.min_tokens > max_tokens:
         raise bad_request("min_tokens", f"{req.min_tokens} is more than max_tokens ({max_tokens})")
+    if logprobs is not None and logprobs > info.vocab_size:
+        raise bad_request(logprobs_param, f"{logprobs} is more than the vocabulary ({info.vocab_size})")
+    check_token_ids(info, req.stop_token_ids or [], "stop_token_ids")
     best_of = getattr(req, "best_of", None)
-    if best_of is not None:
-        if best_of < req.n:
-            raise bad_request("best_of", f"must be >= n ({req.n}), got {best_of}")
-        if req.stream and best_of > req.n:
-            raise bad_request("best_of", "streaming is not supported when best_of > n")
+    _check_best_of(req, best_of)
+    top_k = effective_top_k(req.top_k, info.vocab_size)
     beam = getattr(req, "use_beam_search", False)
-    if beam and req.stream:
-        raise bad_request("use_beam_search", "streaming is not supported with beam search (beams are ranked at the end)")
+    if beam:
+        _check_beam_search(req, top_k)
+    else:
+        _check_beam_only_fields(req)
     beam_fields = dict(use_beam_search=True, beam_width=req.beam_width, length_penalty=req.length_penalty,
                        early_stopping=req.early_stopping) if beam else {}
     return P.SamplingOptions(
@@ -99,7 +171,7 @@ def build_sampling(req, max_tokens: int, logprobs: int | None) -> P.SamplingOpti
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k is None else req.top_k,
+        top_k=top_k,
         min_p=0.0 if req.min_p is None else req.min_p,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         frequency_penalty=req.frequency_penalty or 0.0,
@@ -202,8 +274,11 @@ def stream(group: GenerationGroup, first_events: list, to_chunks, tail) -> Strea
                     yield sse(chunk)
             for chunk in tail():
                 yield sse(chunk)
-        except APIError as e:  # the worker died mid-stream: the status line is sent already
+        except APIError as e:  # the worker died or the engine failed mid-stream: the status line is sent
             yield sse(e.body())
+        except Exception:  # a bug here: end the stream as an error, not a cut connection
+            log.exception("stream %s failed", group.request_id)
+            yield sse(internal_error().body())
         finally:
             group.close()
         yield SSE_DONE

@@ -12,7 +12,9 @@ from tokenizer_server.serving_common import (
     ServerState,
     build_sampling,
     check_model,
-    check_prompt,
+    check_prompt_length,
+    check_stream_options,
+    check_token_ids,
     collect,
     effective_salt,
     new_id,
@@ -21,7 +23,6 @@ from tokenizer_server.serving_common import (
     stream,
 )
 
-MAX_PROMPTS = 1024
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
@@ -62,21 +63,35 @@ def _merge_logprobs(parts: list[dict]) -> dict:
     return out
 
 
+async def tokenize_prompts(state: ServerState, raw: list) -> list[list[int]]:
+    """Token ids of every prompt (text or ids), each checked against the model; text prompts are
+    encoded together, off the event loop when long."""
+    info = state.model_info
+    params = ["prompt"] if len(raw) == 1 else [f"prompt.{i}" for i in range(len(raw))]
+    for p, param in zip(raw, params):
+        if not isinstance(p, str):
+            check_prompt_length(info, len(p), param)  # first: it bounds the vocabulary scan
+            check_token_ids(info, p, param)
+    texts = [(i, p) for i, p in enumerate(raw) if isinstance(p, str)]
+    encoded = await state.async_tokenizer.encode([p for _, p in texts], max_tokens=info.max_model_len - 1)
+    prompts = list(raw)
+    for (i, _), enc in zip(texts, encoded):
+        check_prompt_length(info, enc.num_tokens, params[i])
+        prompts[i] = enc.token_ids
+    return prompts
+
+
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
     check_model(state, req.model)
     tok = state.tokenizer
     if req.echo and req.logprobs is not None:
         raise bad_request("echo", "echo together with logprobs is not supported (prompt logprobs are not computed)")
+    check_stream_options(req)
     raw = req.prompts()
-    if len(raw) > MAX_PROMPTS:
-        raise bad_request("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(raw)}")
-    prompts: list[list[int]] = []
-    for i, p in enumerate(raw):
-        ids = tok.encode(p) if isinstance(p, str) else list(p)
-        check_prompt(state, ids, "prompt" if len(raw) == 1 else f"prompt.{i}")
-        prompts.append(ids)
-    max_tokens = resolve_max_tokens(state, prompts, req.max_tokens, DEFAULT_MAX_TOKENS)
-    sampling = build_sampling(req, max_tokens, req.logprobs)
+    prompts = await tokenize_prompts(state, raw)
+    info = state.model_info
+    max_tokens = resolve_max_tokens(info, [len(p) for p in prompts], req.max_tokens, DEFAULT_MAX_TOKENS)
+    sampling = build_sampling(req, info, max_tokens, req.logprobs)
     group = GenerationGroup(
         state.supervisor.client, tok, state.metrics, new_id("cmpl"), prompts, sampling,
         stop=req.stop_strings(), cache_salt=effective_salt(request, req.cache_salt),
