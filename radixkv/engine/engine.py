@@ -106,7 +106,7 @@ class Engine:
             req.beam = self._beam_search(len(prompt_token_ids), params)
         seq = Sequence(next(self._seq_ids), req, 0, list(prompt_token_ids), pending_forks=params.num_samples - 1)
         req.seqs.append(seq)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq)  # registered last: an exception before leaves nothing behind
         self.requests[request_id] = req
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         self._idle_checked = False

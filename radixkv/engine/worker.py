@@ -151,7 +151,8 @@ class Worker:
             if is_device_error(e):
                 raise
             logger.exception("request %s could not be added; it fails", msg.request_id)
-            self.send(P.StepOutput([error_delta(msg.request_id, range(msg.sampling.n), len(msg.prompt_token_ids))]))
+            n = msg.sampling.n if 1 <= msg.sampling.n <= self.engine.config.max_num_seqs else 1  # maybe unchecked
+            self.send(P.StepOutput([error_delta(msg.request_id, range(n), len(msg.prompt_token_ids))]))
 
     def abort(self, request_id: str) -> None:
         try:
