@@ -20,7 +20,7 @@ unknown fields are ignored, as OpenAI clients send extras. Limits that depend on
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
 INT64_MAX = 2**63 - 1  # msgpack's int64: the largest int the wire to the engine carries
@@ -46,9 +46,10 @@ MAX_LENGTH_PENALTY = 10.0
 # ---- value types -------------------------------------------------------------------------------
 
 
-def _valid_text(s: str) -> str:
-    """Refuse lone surrogates: no UTF-8 form, so the tokenizer and every encoder fail on them."""
-    if s.isascii():  # O(1), and ASCII cannot hold one
+def _valid_text(s):
+    """Refuse lone surrogates: no UTF-8 form, so the tokenizer and every encoder fail on them.
+    Runs before the type and length checks (which then see valid text); a non-str is theirs."""
+    if not isinstance(s, str) or s.isascii():  # isascii is O(1), and ASCII cannot hold one
         return s
     try:
         s.encode("utf-8")
@@ -92,12 +93,13 @@ def _one_of(message: str, shape=_shape) -> Discriminator:
     return Discriminator(shape, custom_error_type="invalid_type", custom_error_message=message)
 
 
-Text = Annotated[str, AfterValidator(_valid_text)]
-Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(_valid_text)]
+Text = Annotated[str, BeforeValidator(_valid_text)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), BeforeValidator(_valid_text)]
+Salt = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), BeforeValidator(_valid_text)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # < vocabulary: serving_common
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS), AfterValidator(_non_empty_stop),
-                       AfterValidator(_valid_text)]
+                       BeforeValidator(_valid_text)]
 Stop = Annotated[
     Union[Annotated[StopString, Tag("str")],
           Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS), Tag("list[...]")]],
@@ -152,7 +154,7 @@ class _SamplingRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
-    model: Annotated[str, Field(max_length=MAX_MODEL_NAME_CHARS), AfterValidator(_valid_text)]
+    model: Annotated[str, Field(max_length=MAX_MODEL_NAME_CHARS), BeforeValidator(_valid_text)]
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
@@ -167,7 +169,7 @@ class _SamplingRequest(BaseModel):
     logit_bias: _refused({}) = None
     response_format: _refused({"type": "text"}) = None
     # extras beside the OpenAI fields (vLLM's names)
-    cache_salt: Optional[Annotated[Name, Field(min_length=1)]] = None
+    cache_salt: Optional[Salt] = None
     ignore_eos: bool = False
     top_k: Optional[int] = Field(None, ge=-1, le=INT64_MAX)  # -1, 0: off; >= the vocabulary: off too
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
