@@ -5,6 +5,7 @@ at the configured interval, idle or busy; a message that does not decode is skip
 Worker class runs in a thread (so faults can be injected), and once as the real process."""
 
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -21,7 +22,6 @@ from radixkv import protocol as P
 from radixkv.engine import worker as worker_module
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
-from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -30,8 +30,6 @@ ENGINE_ARGS = dict(device="cpu", block_size=4, num_blocks=128, max_num_seqs=8, m
 
 
 def _prompt(n, seed):
-    import random
-
     rng = random.Random(seed)
     return [rng.randrange(3, 2048) for _ in range(n)]
 
