@@ -75,6 +75,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     invariant_checks: int = 0  # idle-time cache invariant checks that passed
+    requests_failed: int = 0  # requests the engine failed ("error") and went on without
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):

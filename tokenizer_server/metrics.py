@@ -50,6 +50,7 @@ class _EngineCollector:
             "radixkv_prompt_tokens": ("prompt tokens admitted", s.prompt_tokens),
             "radixkv_generation_tokens": ("tokens generated", s.generation_tokens),
             "radixkv_cache_invariant_checks": ("idle-time cache invariant checks passed", s.invariant_checks),
+            "radixkv_requests_failed": ("requests the engine failed while the worker went on", s.requests_failed),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(name, doc)

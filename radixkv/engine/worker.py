@@ -123,6 +123,7 @@ class Worker:
             waiting=m["waiting"], preemptions=m["preemptions"], prompt_tokens=m["prompt_tokens"],
             generation_tokens=m["generation_tokens"], prefix_query_tokens=c["prefix_query_tokens"],
             prefix_hit_tokens=c["prefix_hit_tokens"], invariant_checks=self.invariant_checks,
+            requests_failed=m["requests_failed"],
         )
 
     def ready_message(self) -> P.WorkerReady:
