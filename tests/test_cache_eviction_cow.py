@@ -9,30 +9,29 @@ from test_cache_cases import B, make  # noqa: F401 - make is a fixture
 
 def run(m, sid, prompt):
     hit = m.add_sequence(sid, prompt)
-    assert m.reserve_slots(sid, len(prompt) - hit) == 0
-    m.mark_computed(sid, len(prompt) - hit)
+    assert m.try_reserve(sid, len(prompt) - hit)
+    m.mark_tokens_computed(sid, prompt[hit:])
     return hit
 
 
 def decode(m, sid, tok):
-    m.append_tokens(sid, [tok])
-    assert m.reserve_slots(sid, 1) == 0
+    assert m.try_reserve(sid, 1)
     ops = m.take_copy_ops()
-    m.mark_computed(sid, 1)
+    m.mark_tokens_computed(sid, [tok])
     return ops
 
 
 def take_free(m, sid="filler"):
     """A sequence that holds every free block, so that the next reservation must evict."""
     m.add_sequence(sid, [6000] * 2)
-    assert m.reserve_slots(sid, m.num_free_blocks * B) == 0 and m.num_free_blocks == 0
+    assert m.try_reserve(sid, m.num_free_blocks * B) and m.num_free_blocks == 0
 
 
 def evict_one(m, sid):
     """Make the pool give up exactly one cached block to a fresh one-block sequence."""
     assert m.num_free_blocks == 0
     m.add_sequence(sid, [7000 + len(sid)] * 2)
-    assert m.reserve_slots(sid, 1) == 0
+    assert m.try_reserve(sid, 1)
 
 
 def test_eviction_is_lru_among_leaves(make):
@@ -91,9 +90,9 @@ def test_commit_and_release_refresh_lru(make):
     m.free("new")
     m.free("old")  # ...but released last: "new" is now the least recently used
     m.add_sequence("z", [3] * 5)
-    assert m.reserve_slots("z", 5) == 0  # takes the 2 free blocks
+    assert m.try_reserve("z", 5)  # takes the 2 free blocks
     m.add_sequence("w", [4] * 5)
-    assert m.reserve_slots("w", 5) == 0  # evicts 2: the tail of "new" only
+    assert m.try_reserve("w", 5)  # evicts 2: the tail of "new" only
     assert m.peek_prefix([1] * 9) == 8 and m.peek_prefix([2] * 9) == 0
 
 
@@ -156,11 +155,11 @@ def test_fork_leaves_empty_reserved_blocks_with_the_parent(make):
     m = make()
     run(m, "p", list(range(6)))
     m.append_tokens("p", [1] * 10)
-    assert m.reserve_slots("p", 10) == 0  # 4 blocks, 2 of them empty
+    assert m.try_reserve("p", 10)  # 4 blocks, 2 of them empty
     m.fork("p", "c")
     assert m.block_table("c") == m.block_table("p")[:2]
-    with pytest.raises(ValueError, match="reserve_slots first"):
-        m.mark_computed("c", 1)  # the parent's reservation is not inherited
+    with pytest.raises(ValueError, match="try_reserve first"):
+        m.mark_tokens_computed("c", [1])  # the parent's reservation is not inherited
 
 
 def test_copy_source_is_not_recycled_before_ops_are_taken(make):
@@ -168,18 +167,18 @@ def test_copy_source_is_not_recycled_before_ops_are_taken(make):
     run(m, "p", list(range(6)))  # 2 blocks
     m.fork("p", "c")
     m.append_tokens("c", [9])
-    assert m.reserve_slots("c", 1) == 0  # copy p[1] -> new block, pending
+    assert m.try_reserve("c", 1)  # copy p[1] -> new block, pending
     src = m.block_table("p")[1]
     m.free("p")  # src loses its last holder before the copy ran
     assert m.stats().in_use_blocks == 3 and m.num_free_blocks == 1
     m.add_sequence("q", [5] * 3)
-    assert m.reserve_slots("q", 3) == 0
+    assert m.try_reserve("q", 3)
     assert src not in m.block_table("q")
     m.add_sequence("r", [6] * 3)
-    assert m.reserve_slots("r", 3) == 1  # the parked source is not available
+    assert not m.try_reserve("r", 3) and m.blocks_short("r", 3) == 1  # the parked source is not available
     m.check_invariants()
     assert m.take_copy_ops() == [(src, m.block_table("c")[1])]
-    assert m.num_free_blocks == 1 and m.reserve_slots("r", 3) == 0
+    assert m.num_free_blocks == 1 and m.try_reserve("r", 3)
     m.check_invariants()
 
 
@@ -188,7 +187,7 @@ def test_copy_into_a_freed_block_is_dropped(make):
     run(m, "p", list(range(6)))
     m.fork("p", "c")
     m.append_tokens("c", [9])
-    assert m.reserve_slots("c", 1) == 0
+    assert m.try_reserve("c", 1)
     m.free("c")  # aborted before the copy ran
     assert m.take_copy_ops() == []
     m.check_invariants()
@@ -199,10 +198,10 @@ def test_copy_from_a_pending_destination_reads_its_source(make):
     run(m, "p", list(range(6)))
     m.fork("p", "c")
     m.append_tokens("c", [9])
-    assert m.reserve_slots("c", 1) == 0  # p1 -> c1 pending
+    assert m.try_reserve("c", 1)  # p1 -> c1 pending
     m.fork("c", "g")  # g shares c1 before it holds any bytes
     m.append_tokens("g", [8])
-    assert m.reserve_slots("g", 1) == 0
+    assert m.try_reserve("g", 1)
     src = m.block_table("p")[1]
     assert m.take_copy_ops() == [(src, m.block_table("c")[1]), (src, m.block_table("g")[1])]
 
@@ -212,16 +211,15 @@ def test_block_cached_by_a_sibling_is_held_and_never_written(make):
     child still holds. The child's hold survives eviction; its next write copies."""
     m = make(4)
     run(m, "p", list(range(6)))
-    assert m.reserve_slots("p", 2) == 0  # lookahead into the partial block
+    assert m.try_reserve("p", 2)  # lookahead into the partial block
     m.fork("p", "c")
-    m.append_tokens("p", [40, 41])
-    m.mark_computed("p", 2)  # block 1 full: committed while "c" holds it
+    m.mark_tokens_computed("p", [40, 41])  # block 1 full: committed while "c" holds it
     held = m.block_table("c")[1]
     m.free("p")
     m.check_invariants()
     assert m.stats().evictable_blocks == 0  # block 0 and 1: both held by c
     m.add_sequence("q", [5] * 9)
-    assert m.reserve_slots("q", 9) == 3 - 2  # 2 free; nothing evictable
+    assert not m.try_reserve("q", 9) and m.blocks_short("q", 9) == 3 - 2  # 2 free; nothing evictable
     assert m.peek_prefix(list(range(6)) + [40, 41, 0]) == 8
     assert decode(m, "c", 7) == [(held, m.block_table("c")[1])]  # cached: copied, not written
     assert m.stats().evictable_blocks == 1  # the committed block, now unheld

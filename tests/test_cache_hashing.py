@@ -47,11 +47,12 @@ def test_manager_keys_equal_exported_keys(algo):
     m = KVCacheManager(16, 4, hash_algo=algo, hash_seed=11, enable_events=True)
     prompt = list(range(100, 114))
     m.add_sequence("a", prompt, salt=b"t1", adapter_id=3)
-    assert m.reserve_slots("a", 14) == 0
-    m.mark_computed("a", 14)
+    assert m.try_reserve("a", 14)
+    m.mark_tokens_computed("a", prompt)
     (ev,) = m.take_events()
     assert list(ev.block_keys) == prompt_block_keys(prompt, 4, salt="t1", adapter_id=3, hash_algo=algo, hash_seed=11)
     assert ev.parent_key is None and ev.token_ids == tuple(prompt[:12]) and ev.salt == b"t1" and ev.adapter_id == 3
+    assert ev.block_ids == tuple(m.block_table("a")[:3])
 
 
 def test_same_keys_in_another_process(algo):

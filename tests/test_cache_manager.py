@@ -13,8 +13,8 @@ from test_cache_cases import B, make  # noqa: F401 - make is a fixture
 def run(m, sid, prompt, **kw):
     """Add and compute a whole prompt; returns the hit."""
     hit = m.add_sequence(sid, prompt, **kw)
-    assert m.reserve_slots(sid, len(prompt) - hit) == 0
-    m.mark_computed(sid, len(prompt) - hit)
+    assert m.try_reserve(sid, len(prompt) - hit)
+    m.mark_tokens_computed(sid, prompt[hit:])
     m.check_invariants()
     return hit
 
@@ -88,11 +88,11 @@ def test_failed_reservation_changes_nothing_and_says_what_is_missing(make):
     m.add_sequence("b", [50] * 3)
     snap = snapshot(m, ["a", "b"])
     assert m.num_blocks_needed("b", 30) == 8
-    assert m.reserve_slots("b", 30) == 8 - 4  # 4 free, 0 evictable
+    assert m.try_reserve("b", 30) is False and m.blocks_short("b", 30) == 8 - 4  # 4 free, 0 evictable
     assert snapshot(m, ["a", "b"]) == snap
-    with pytest.raises(ValueError, match="reserve_slots first"):
-        m.mark_computed("b", 1)
-    assert m.reserve_slots("b", 16) == 0 and len(m.block_table("b")) == 4
+    with pytest.raises(ValueError, match="try_reserve first"):
+        m.mark_tokens_computed("b", [50])
+    assert m.try_reserve("b", 16) and len(m.block_table("b")) == 4
 
 
 def test_free_blocks_are_used_before_evicting(make):
@@ -100,11 +100,11 @@ def test_free_blocks_are_used_before_evicting(make):
     run(m, "a", list(range(16)))
     m.free("a")  # 4 evictable, 4 free
     m.add_sequence("b", [70] * 16)
-    assert m.reserve_slots("b", 16) == 0
+    assert m.try_reserve("b", 16)
     assert m.stats().evicted_blocks == 0 and m.peek_prefix(list(range(16))) == 12
-    m.mark_computed("b", 16)
+    m.mark_tokens_computed("b", [70] * 16)
     m.add_sequence("c", [80] * 4)
-    assert m.reserve_slots("c", 4) == 0
+    assert m.try_reserve("c", 4)
     assert m.stats().evicted_blocks == 1  # now one had to go
     m.check_invariants()
 
@@ -115,7 +115,7 @@ def test_own_hit_blocks_are_never_evicted_for_the_same_request(make):
     m.free("a")  # 4 evictable, 1 free
     assert m.add_sequence("b", list(range(16)) + [1, 2, 3, 4, 5]) == 16
     # Needs 2 blocks: 1 free, and the only evictable ones are its own hits.
-    assert m.reserve_slots("b", 5) == 1
+    assert not m.try_reserve("b", 5) and m.blocks_short("b", 5) == 1
     assert m.block_table("b") == m.block_table("b")[:4] and m.stats().evicted_blocks == 0
 
 
@@ -124,10 +124,10 @@ def test_duplicate_block_is_deduplicated_at_commit(make):
     prompt = list(range(9))
     for s in ("a", "b"):  # both miss: neither has committed yet
         assert m.add_sequence(s, prompt) == 0
-        assert m.reserve_slots(s, 9) == 0
-    m.mark_computed("a", 9)
+        assert m.try_reserve(s, 9)
+    m.mark_tokens_computed("a", prompt)
     free_before = m.num_free_blocks
-    m.mark_computed("b", 9)
+    m.mark_tokens_computed("b", prompt)
     assert m.block_table("b")[:2] == m.block_table("a")[:2]
     assert m.block_table("b")[2] != m.block_table("a")[2]  # partial blocks stay private
     assert m.num_free_blocks == free_before + 2  # b's two duplicates freed at once
@@ -149,7 +149,7 @@ def test_accounting(make):
     m = make(16)
     run(m, "a", list(range(6)))  # 2 blocks, 6 tokens
     m.add_sequence("b", [9] * 3)
-    assert m.reserve_slots("b", 3) == 0
+    assert m.try_reserve("b", 3)
     st = m.stats()
     assert (st.free_blocks, st.evictable_blocks, st.in_use_blocks, st.cached_blocks) == (13, 0, 3, 1)
     assert st.slot_utilization == pytest.approx(9 / 12) and st.last_block_slack == 3
@@ -165,22 +165,27 @@ def test_events_carry_keys_and_parent_keys(make):
     m = make(6, enable_events=True)
     prompt = list(range(10))
     run(m, "a", prompt)
-    m.append_tokens("a", [1, 2])
-    assert m.reserve_slots("a", 2) == 0
-    m.mark_computed("a", 2)
+    assert m.try_reserve("a", 2)
+    m.mark_tokens_computed("a", [1, 2])
     keys = prompt_block_keys(prompt + [1, 2], B, hash_algo=m.hasher.algo)
     e1, e2 = m.take_events()
-    assert e1 == BlockStored(tuple(keys[:2]), None, tuple(prompt[:8]), B, None, None)
+    table = m.block_table("a")
+    assert e1 == BlockStored(tuple(keys[:2]), None, tuple(prompt[:8]), B, None, None, tuple(table[:2]))
+    assert e2.block_ids == (table[2],)
     assert e2.block_keys == (keys[2],) and e2.parent_key == keys[1] and e2.token_ids == (8, 9, 1, 2)
     assert m.take_events() == []
     m.free("a")
     run(m, "b", [40] * 16)  # 4 blocks: 3 free, then the LRU leaf's tail goes
     removed = [e for e in m.take_events() if isinstance(e, BlockRemoved)]
-    assert [k for e in removed for k in e.block_keys] == [keys[2]]
+    assert [(e.block_keys, e.block_ids, e.salt, e.adapter_id) for e in removed] == [((keys[2],), (table[2],), None, None)]
+    assert table[2] in m.block_table("b")  # the evicted block was handed to b
+    b_table = m.block_table("b")
     m.free("b")
     assert m.reset_prefix_cache()
     (gone,) = m.take_events()
     assert set(gone.block_keys) == set(keys[:2]) | set(prompt_block_keys([40] * 16, B, hash_algo=m.hasher.algo))
+    assert set(gone.block_ids) == set(table[:2]) | set(b_table) and len(gone.block_ids) == len(gone.block_keys)
+    assert dict(zip(gone.block_keys, gone.block_ids))[keys[0]] == table[0]
 
 
 def test_no_events_unless_enabled(make):
@@ -209,7 +214,8 @@ def test_errors_name_the_argument_and_change_nothing(make):
     snap = snapshot(m, ["a"])
     bad_calls = [
         (KeyError, "'zz'", lambda: m.free("zz")),
-        (KeyError, "'zz'", lambda: m.reserve_slots("zz", 1)),
+        (KeyError, "'zz'", lambda: m.try_reserve("zz", 1)),
+        (KeyError, "'zz'", lambda: m.mark_tokens_computed("zz", [1])),
         (KeyError, "'zz'", lambda: m.block_table("zz")),
         (KeyError, "'zz'", lambda: m.fork("zz", "y")),
         (ValueError, "already in use", lambda: m.add_sequence("a", [1])),
@@ -221,10 +227,13 @@ def test_errors_name_the_argument_and_change_nothing(make):
         (ValueError, "salt", lambda: m.add_sequence("n", [1, 2], salt=7)),
         (ValueError, "adapter_id", lambda: m.add_sequence("n", [1, 2], adapter_id=[1])),
         (ValueError, "hashable", lambda: m.add_sequence(["n"], [1, 2])),
-        (ValueError, "num_tokens", lambda: m.reserve_slots("a", -1)),
-        (ValueError, "num_tokens", lambda: m.reserve_slots("a", 1.0)),
-        (ValueError, "num_tokens", lambda: m.mark_computed("a", True)),
-        (ValueError, "append_tokens first", lambda: m.mark_computed("a", 1)),
+        (ValueError, "num_tokens", lambda: m.try_reserve("a", -1)),
+        (ValueError, "num_tokens", lambda: m.try_reserve("a", 1.0)),
+        (ValueError, "num_tokens", lambda: m.blocks_short("a", True)),
+        (ValueError, "try_reserve first", lambda: m.mark_tokens_computed("a", [1])),
+        (ValueError, r"token_ids\[0\]", lambda: m.mark_tokens_computed("a", [-1])),
+        (ValueError, "block_id", lambda: m.ref_count(8)),
+        (ValueError, "block_id", lambda: m.ref_count(True)),
     ]
     for exc, match, call in bad_calls:
         with pytest.raises(exc, match=match):

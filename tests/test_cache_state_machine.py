@@ -11,7 +11,14 @@ copy ops), with a simulated KV memory and a reference model of which prefixes mu
   its namespace has computed (those blocks cannot be evicted), at most the longest one
   ever committed in that namespace since the last reset, exactly that while nothing was
   evicted, and never more than (len - 1) // B * B tokens.
-- check_invariants() after every step; a failed reservation changes nothing.
+- check_invariants() after every step; a failed reservation or admission changes nothing
+  (counters, LRU order and namespaces included).
+- Namespaces come and go: one-shot tenants arrive, compute, leave; the manager holds a
+  namespace exactly while it has a live sequence or a cached block, and a reset drops
+  every namespace without a live sequence.
+- Events: replaying every BlockStored / BlockRemoved (block ids and keys) gives exactly the
+  blocks the tree holds, each under its key; the accessors (counts, ref counts, a
+  sequence's tokens and block keys) agree with the manager's state.
 """
 
 from array import array
@@ -20,7 +27,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule
 
-from radixkv.cache import KVCacheManager
+from radixkv.cache import BlockRemoved, BlockStored, KVCacheManager, prompt_block_keys
 
 B = 2
 SALTS = (None, "tenant-a", b"tenant-b")  # b"pressure" is the eviction rule's own tenant
@@ -36,17 +43,23 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(4, 24))
     def setup(self, num_blocks):
-        self.m = KVCacheManager(num_blocks, B, hash_algo=self.hash_algo, enable_prefix_caching=self.prefix_caching)
+        self.m = KVCacheManager(num_blocks, B, hash_algo=self.hash_algo, enable_prefix_caching=self.prefix_caching,
+                                enable_events=True)
+        self.salt_of = {}  # namespace (salt bytes) -> the salt as given
+        self.stored = {}  # block id -> key, replayed from the events
         self.N = num_blocks
         self.kv = [[None] * B for _ in range(num_blocks)]
         self.live = {}  # sid -> (tokens, ns)
         self.reserved = {}  # sid -> slots it may write: the reference of what reserve_slots granted
-        self.committed = {self._ns(s): set() for s in SALTS + (b"pressure",)}  # block-aligned prefixes since reset
+        self.committed = {}  # namespace -> block-aligned prefixes committed since the last reset
         self.next_id = 0
         self.evicted_at_reset = 0
 
     def _ns(self, salt):
         return salt if not isinstance(salt, str) else salt.encode()
+
+    def _committed(self, ns):
+        return self.committed.setdefault(ns, set())
 
     def _prefix_len(self, prompt, prefixes):
         cap = (len(prompt) - 1) // B
@@ -77,15 +90,54 @@ class CacheMachine(RuleBasedStateMachine):
         assert after.prefix_hit_tokens - before.prefix_hit_tokens == hit
         if self.prefix_caching:
             lower = max([self._common(prompt, s) for s in self._live_computed(ns)] + [0])
-            upper = self._prefix_len(prompt, self.committed[ns])
+            upper = self._prefix_len(prompt, self._committed(ns))
             assert lower <= hit <= upper, (lower, hit, upper)
             if self.m.stats().evicted_blocks == self.evicted_at_reset:
                 assert hit == upper
         else:
             assert hit == 0
         self.live[sid] = (prompt, ns)
+        self.salt_of[ns] = salt
         self.reserved[sid] = hit
         return sid
+
+    @rule(target=seqs, stem=st.sampled_from(STEMS), tail=tokens_st, salt=st.sampled_from(SALTS),
+          ahead=st.integers(0, 3))
+    def try_admit(self, stem, tail, salt, ahead):
+        """Exact admission: the shortfall said beforehand decides; a refusal changes nothing."""
+        prompt = list(stem) + tail
+        if not prompt:
+            return consumes_nothing()
+        sid = self.next_id
+        self.next_id += 1
+        peek = self.m.peek_prefix(prompt, salt=salt)
+        short = self.m.blocks_short_to_admit(prompt, salt=salt, num_lookahead_tokens=ahead)
+        snap = self._snapshot()
+        ok = self.m.try_admit(sid, prompt, salt=salt, num_lookahead_tokens=ahead)
+        assert ok == (short == 0), (ok, short)
+        if not ok:
+            assert self._snapshot() == snap, "a refused admission changed something"
+            assert sid not in self.m
+            return consumes_nothing()
+        ns = self._ns(salt)
+        hit = self.m.num_computed_tokens(sid)
+        assert hit == peek
+        self.live[sid] = (prompt, ns)
+        self.salt_of[ns] = salt
+        self.reserved[sid] = len(prompt) + ahead
+        assert len(self.m.block_table(sid)) * B >= len(prompt) + ahead
+        self.compute(sid, len(prompt) - hit)
+        return sid
+
+    @rule(length=st.integers(1, 5), keep=st.booleans())
+    def one_shot_tenant(self, length, keep):
+        """A tenant seen once: a fresh salt computes a short prompt and (mostly) leaves. Its
+        namespace stays only while it has cached blocks, so the count stays bounded."""
+        salt = f"one-shot-{self.next_id}"
+        sid = self.add(STEMS[0], [1] * length, salt)
+        self.prefill(sid)
+        if not keep:
+            self.free(sid)
 
     @rule(target=seqs, stem=st.sampled_from(STEMS[1:]), tail=tokens_st, salt=st.sampled_from(SALTS))
     def admit(self, stem, tail, salt):
@@ -227,10 +279,12 @@ class CacheMachine(RuleBasedStateMachine):
     def _reserve(self, sid, n):
         needed = self.m.num_blocks_needed(sid, n)
         available = self.m.num_available_blocks
+        missing = self.m.blocks_short(sid, n)
+        assert missing == max(0, needed - available)
         snap = self._snapshot()
-        missing = self.m.reserve_slots(sid, n)
-        if missing:
-            assert missing == needed - available > 0
+        ok = self.m.try_reserve(sid, n)
+        assert ok is (missing == 0)
+        if not ok:
             assert self._snapshot() == snap, "a failed reservation changed something"
         else:
             done = self.m.num_computed_tokens(sid)
@@ -247,22 +301,31 @@ class CacheMachine(RuleBasedStateMachine):
         if done + n > self.reserved[sid]:  # never granted: must be refused, changing nothing
             snap = self._snapshot()
             try:
-                self.m.mark_computed(sid, n)
+                self.m.mark_tokens_computed(sid, (toks + [0] * n)[done : done + n])
             except ValueError:
                 assert self._snapshot() == snap
             else:
-                raise AssertionError("mark_computed accepted slots that were never reserved")
+                raise AssertionError("mark_tokens_computed accepted slots that were never reserved")
         n = min(n, len(toks) - done, self.reserved[sid] - done)
         if n <= 0:
             return
+        wrong = toks[done : done + n]
+        wrong[-1] += 1  # a token that is not the known one: refused, nothing applied
+        snap = self._snapshot()
+        try:
+            self.m.mark_tokens_computed(sid, wrong)
+        except ValueError:
+            assert self._snapshot() == snap
+        else:
+            raise AssertionError("mark_tokens_computed accepted a token it does not know")
         self._run_copies()
         table = self.m.block_table(sid)
         for i in range(done, done + n):
             self.kv[table[i // B]][i % B] = (ns, tuple(toks[: i + 1]))
-        self.m.mark_computed(sid, n)
+        self.m.mark_tokens_computed(sid, toks[done : done + n])
         if self.prefix_caching:
             for k in range(1, (done + n) // B + 1):
-                self.committed[ns].add(tuple(toks[: k * B]))
+                self._committed(ns).add(tuple(toks[: k * B]))
 
     @rule(sid=seqs)
     def prefill(self, sid):
@@ -273,14 +336,25 @@ class CacheMachine(RuleBasedStateMachine):
         if n and self._reserve(sid, n) == 0:
             self.compute(sid, n)
 
-    @rule(sid=seqs, tok=st.integers(0, 3))
-    def decode(self, sid, tok):
-        """Engine-like: one sampled token: append, reserve, compute (when all before it are)."""
+    @rule(sid=seqs, tok=st.integers(0, 3), appended=st.booleans())
+    def decode(self, sid, tok, appended=True):
+        """Engine-like: one sampled token, reserved and computed (when all before it are);
+        either appended first, or given to mark_tokens_computed only (appended by it)."""
         if sid not in self.live or self.m.num_computed_tokens(sid) != len(self.live[sid][0]):
             return
-        self.append(sid, [tok])
-        if self._reserve(sid, 1) == 0:
-            self.compute(sid, 1)
+        if appended:
+            self.append(sid, [tok])
+            if self._reserve(sid, 1) == 0:
+                self.compute(sid, 1)
+        elif self._reserve(sid, 1) == 0:
+            self._run_copies()
+            toks, ns = self.live[sid]
+            done = len(toks)
+            self.kv[self.m.block_table(sid)[done // B]][done % B] = (ns, tuple(toks + [tok]))
+            self.m.mark_tokens_computed(sid, [tok])
+            toks.append(tok)
+            if self.prefix_caching and (done + 1) % B == 0:
+                self._committed(ns).add(tuple(toks))
 
     @rule(target=seqs, parent=seqs)
     def fork(self, parent):
@@ -318,8 +392,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert ok == (not referenced)
         if ok:
             assert self.m.stats().cached_blocks == 0
-            self.committed = {self._ns(s): set() for s in SALTS + (b"pressure",)}
+            self.committed = {}
             self.evicted_at_reset = self.m.stats().evicted_blocks
+            assert self.m.num_namespaces == len({ns for _, ns in self.live.values()})
         else:
             assert self._snapshot() == snap
 
@@ -337,7 +412,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _snapshot(self):
         s = self.m.stats()
-        return (s, {sid: self.m.block_table(sid) for sid in self.live}, self.m.num_free_blocks)
+        lru = [key[:2] for key in self.m.tree.lru._order]  # (last use, node): the eviction order
+        return (s, {sid: self.m.block_table(sid) for sid in self.live}, self.m.num_free_blocks, lru,
+                sorted(map(repr, self.m.tree.namespaces)))
 
     @invariant()
     def consistent(self):
@@ -346,6 +423,57 @@ class CacheMachine(RuleBasedStateMachine):
         self.m.check_invariants()
         s = self.m.stats()
         assert s.free_blocks + s.evictable_blocks + s.in_use_blocks == self.N
+
+    @invariant()
+    def namespaces_held(self):
+        """Held: every namespace with a live sequence; at most those plus the ones that
+        committed a block since the last reset (eviction may have emptied some)."""
+        if not hasattr(self, "m"):
+            return
+        live = {ns for _, ns in self.live.values()}
+        held = {key[0] for key in self.m.tree.namespaces}
+        assert live <= held <= live | {ns for ns, c in self.committed.items() if c}, (live, held)
+        assert self.m.num_namespaces == len(self.m.tree.namespaces) == self.m.stats().num_namespaces
+
+    @invariant()
+    def events_replay_to_the_tree(self):
+        if not hasattr(self, "m"):
+            return
+        for e in self.m.take_events():
+            assert len(e.block_ids) == len(e.block_keys)
+            if isinstance(e, BlockStored):
+                for b, k in zip(e.block_ids, e.block_keys):
+                    assert b not in self.stored, f"block {b} stored twice"
+                    self.stored[b] = k
+            else:
+                assert isinstance(e, BlockRemoved)
+                for b, k in zip(e.block_ids, e.block_keys):
+                    assert self.stored.pop(b) == k, f"block {b} removed under another key"
+        node_of = self.m.tree.node_of
+        assert set(self.stored) == {b for b in range(self.N) if node_of[b] is not None}
+        for b, k in self.stored.items():
+            node = node_of[b]
+            assert node.keys[node.blocks.index(b)] == k
+
+    @invariant()
+    def accessors(self):
+        if not hasattr(self, "m"):
+            return
+        m = self.m
+        assert m.num_free_blocks + m.num_evictable_blocks + m.num_in_use_blocks == self.N == m.num_blocks
+        assert m.num_cached_blocks == m.stats().cached_blocks and m.num_sequences == len(self.live)
+        held = [0] * self.N
+        for sid, (toks, ns) in self.live.items():
+            assert m.token_ids(sid) == toks
+            table = m.block_table(sid)
+            for b in table:
+                held[b] += 1
+            keys = m.block_keys(sid)
+            committed = m.num_computed_tokens(sid) // B if self.prefix_caching else 0
+            assert keys == prompt_block_keys(toks[: committed * B], B, salt=self.salt_of[ns],
+                                             hash_algo=self.hash_algo)
+            assert all(m.is_cached(b) for b in table[:committed])
+        assert [m.ref_count(b) for b in range(self.N)] == held
 
     @invariant()
     def kv_contents(self):
@@ -364,7 +492,7 @@ class CacheMachine(RuleBasedStateMachine):
         """Every block in the tree holds the KV of the tokens it is filed under."""
         if not hasattr(self, "m"):
             return
-        for ns_obj in self.m._namespaces.values():
+        for ns_obj in self.m.tree.namespaces.values():
             ns = ns_obj.salt
             stack = [(ns_obj.root, ())]
             while stack:

@@ -2,11 +2,11 @@
 
     from radixkv.cache import KVCacheManager
     m = KVCacheManager(num_blocks=1024, block_size=16)
-    cached = m.add_sequence("req-1", prompt_ids)       # tokens served from the cache
-    m.reserve_slots("req-1", len(prompt_ids) - cached)  # 0 = done, else blocks missing
-    ...run the model on m.block_table("req-1")...
-    m.mark_computed("req-1", len(prompt_ids) - cached)  # full blocks enter the radix tree
-    m.free("req-1")
+    if m.try_admit("req-1", prompt_ids):                # hit pinned, the rest reserved; False: nothing changed
+        cached = m.num_computed_tokens("req-1")          # tokens served from the cache
+        ...run the model on m.block_table("req-1")...
+        m.mark_tokens_computed("req-1", prompt_ids[cached:])  # full blocks enter the radix tree
+        m.free("req-1")
 
 Rules and an end-to-end example: docs/embedding.md.
 """

@@ -42,6 +42,7 @@ def check_manager(m) -> None:
         _fail(f"free {pool.num_free} + evictable {tree.num_evictable} + in use {in_use} != {N}")
 
     _check_tree(m)
+    _check_namespaces(m)
 
     # Sequences: committed blocks are a chain of whole nodes from their namespace root.
     for sid, seq in m._seqs.items():
@@ -66,7 +67,7 @@ def _check_tree(m) -> None:
     pool, tree, hasher = m.pool, m.tree, m.hasher
     ref, node_of, bb = pool.ref, tree.node_of, tree.block_bytes
     cached = leaves = 0
-    for ns in m._namespaces.values():
+    for ns in tree.namespaces.values():
         root = ns.root
         if root.blocks or root.parent is not None or root.ns is not ns:
             _fail("a namespace root holds blocks or has a parent")
@@ -107,3 +108,20 @@ def _check_tree(m) -> None:
         _fail(f"{cached} blocks in the tree, counter says {tree.num_cached}")
     if leaves != len(tree.lru):
         _fail(f"{leaves} evictable leaves but {len(tree.lru)} LRU entries")
+
+
+def _check_namespaces(m) -> None:
+    """Held namespaces are exactly those with a cached block or a live sequence."""
+    held = m.tree.namespaces
+    live: dict = {}
+    for sid, seq in m._seqs.items():
+        if held.get(seq.ns.key) is not seq.ns:
+            _fail(f"sequence {sid!r}: its namespace is not held")
+        live[seq.ns.key] = live.get(seq.ns.key, 0) + 1
+    for key, ns in held.items():
+        if ns.key != key:
+            _fail(f"namespace {ns.label!r} is filed under another key")
+        if ns.num_seqs != live.get(key, 0):
+            _fail(f"namespace {ns.label!r}: {live.get(key, 0)} live sequences, counter says {ns.num_seqs}")
+        if not ns.num_seqs and not ns.cached_blocks:
+            _fail(f"namespace {ns.label!r} is held with no cached block and no live sequence")

@@ -4,7 +4,10 @@ A node holds a run of consecutive full blocks: their ids, their keys and their t
 one canonical byte string (uint32 little-endian). Within a node's children a child is
 keyed by the bytes of its first block, so a lookup compares tokens (dict lookup, then one
 memcmp per node) and computes no hash; a match is exact by construction. Each namespace
-(salt, adapter) has its own root, so different salts never share a node.
+(salt, adapter) has its own root, so different salts never share a node; the tree keeps
+the namespaces it holds in `namespaces` and drops one as soon as it has neither a cached
+block nor a live sequence (its last block evicted, its last sequence freed, or a reset), so
+the state kept per tenant is bounded by what that tenant has cached or running.
 
 Ref counts live in the BlockPool (per block, = tables holding it). Every live sequence's
 committed blocks are a chain of whole nodes from its root (nodes split where a chain ends
@@ -80,22 +83,41 @@ class RadixTree:
         self.lru = LRUPolicy()
         self.tick = 0  # advanced by the manager once per operation
         self._uids = count()
+        self.namespaces: dict = {}  # Namespace.key -> Namespace, held ones only
 
-    def new_root(self, ns) -> Node:
-        return Node(None, ns, next(self._uids), 0)
+    # ---- namespaces -------------------------------------------------------------------------
+
+    def add_namespace(self, ns) -> None:
+        ns.root = Node(None, ns, next(self._uids), 0)
+        self.namespaces[ns.key] = ns
+
+    def drop_if_unused(self, ns) -> None:
+        """Forget a namespace that has no cached block and no live sequence; its root has no
+        children then, so nothing else refers to it."""
+        if not ns.cached_blocks and not ns.num_seqs and self.namespaces.get(ns.key) is ns:
+            del self.namespaces[ns.key]
+            ns.root = None  # root <-> namespace is a cycle: break it so both go at once, not at a GC pass
 
     # ---- public API -----------------------------------------------------------------------
 
     def match(self, root: Node, data: bytes, max_blocks: int) -> tuple[list, int]:
         """Longest cached prefix of `data` (canonical token bytes) under `root`.
 
-        Walks from the root: at each node the child is found by the bytes of the next
-        block (a dict lookup, no hashing of ours), then the rest of the child's run is
-        compared with one `startswith` (memcmp). Stops at the first block that differs,
-        at the end of the tree, or after `max_blocks` blocks (the caller's cap, which
-        keeps at least one prompt token to compute). Returns ([(node, k)], blocks): the
-        path, where k is how many leading blocks of that node matched (k < len only for
-        the last entry), and the total. Changes nothing.
+        How: a node's children are keyed by the bytes of their first block, so the walk is
+        one dict lookup per node (bytes hash and compare in C; no block key is hashed) and
+        then one `startswith` (a memcmp) over the rest of the child's run. Only when that
+        memcmp fails, i.e. the prompt leaves the tree inside a node, does a bisection over
+        slices find the first differing block. The Python work is per node, not per block:
+        a 2,400-token system prompt cached as one node costs one lookup and one memcmp.
+
+        Exact: a hit is decided by comparing token bytes, never keys, so no hash collision
+        can produce a wrong hit.
+
+        Stops at the first block that differs, at the end of the tree, or after
+        `max_blocks` blocks (the caller's cap, which keeps at least one prompt token to
+        compute). Returns ([(node, k)], blocks): the path, where k is how many leading
+        blocks of that node matched (k < len only for the last entry), and the total.
+        Changes nothing: no pin, no LRU touch, no counter.
         """
         bb = self.block_bytes
         path, pos, node = [], 0, root
@@ -120,21 +142,39 @@ class RadixTree:
     def lock(self, path: list) -> tuple[Node, list[int]]:
         """Pin a matched path for a new sequence: split the last node where the hit ends,
         take a reference on every block, mark the nodes used. Returns (chain end, blocks)."""
-        nodes = [node for node, _ in path]
         last, k = path[-1]
         if k < len(last.blocks):
-            nodes[-1] = self._split(last, k)
-        ref, blocks, tick = self.pool.ref, [], self.tick
-        for node in nodes:
+            path = path[:-1] + [(self._split(last, k), k)]
+        ref, blocks, tick, lru = self.pool.ref, [], self.tick, self.lru
+        unheld = 0
+        for node, _ in path:
             if node.lru_key is not None:
-                self.lru.remove(node)
+                lru.remove(node)
             node.last_use = tick
-            for b in node.blocks:
-                if ref[b] == 0:
-                    self.num_evictable -= 1
+            nb = node.blocks
+            # A held block's parent block is held (no orphans), so a node's unheld blocks
+            # are a tail of it: its first and last block tell, without a test per block.
+            if ref[nb[0]] == 0:
+                unheld += len(nb)
+            elif ref[nb[-1]] == 0:
+                unheld += sum(1 for b in nb if ref[b] == 0)
+            for b in nb:
                 ref[b] += 1
-            blocks += node.blocks
-        return nodes[-1], blocks
+            blocks += nb
+        self.num_evictable -= unheld
+        return path[-1][0], blocks
+
+    def unheld_blocks(self, path: list) -> int:
+        """How many blocks of a matched path are evictable now (what lock() would take out
+        of the evictable count); changes nothing."""
+        ref, n = self.pool.ref, 0
+        for node, k in path:
+            nb = node.blocks
+            if ref[nb[0]] == 0:
+                n += k
+            elif ref[nb[k - 1]] == 0:
+                n += sum(1 for b in nb[:k] if ref[b] == 0)
+        return n
 
     def commit(self, node: Node, table: list[int], first: int, data: bytes) -> Node:
         """Enter table[first:first + len(data) // block_bytes] (full, computed, held by the
@@ -174,7 +214,7 @@ class RadixTree:
         self.num_cached += len(blocks)
         ns.cached_blocks += len(blocks)
         if self.events is not None:
-            self.events.append(stored_event(ns, keys, None if j == 0 else parent_key, rest, self.block_size))
+            self.events.append(stored_event(ns, keys, None if j == 0 else parent_key, rest, self.block_size, blocks))
         return node
 
     def release_chain(self, node: Node) -> None:
@@ -200,9 +240,9 @@ class RadixTree:
             self.lru.add(node)
 
     def evict(self, n: int) -> None:
-        """Remove n unreferenced blocks from the tree, LRU leaves first; release them."""
-        ref, bb, pool = self.pool.ref, self.block_bytes, self.pool
-        removed_keys = []
+        """Remove n unreferenced blocks from the tree, LRU leaves first; release them. A
+        namespace left with no cached block and no live sequence is dropped."""
+        ref, bb, pool, node_of, events = self.pool.ref, self.block_bytes, self.pool, self.node_of, self.events
         while n > 0:
             node = self.lru.pop()
             blocks = node.blocks
@@ -211,46 +251,52 @@ class RadixTree:
                 cut -= 1
                 n -= 1
             gone = blocks[cut:]
-            if self.events is not None:
-                removed_keys += reversed(node.keys[cut:])
+            ns = node.ns
+            if events is not None:  # tail first: the order they were removed in
+                events.append(BlockRemoved(tuple(reversed(node.keys[cut:])), tuple(reversed(gone)),
+                                           ns.salt, ns.adapter_id))
             first_bytes = node.tokens[:bb]
             del blocks[cut:], node.keys[cut:]
             node.tokens = node.tokens[: cut * bb]
             self.num_cached -= len(gone)
             self.num_evictable -= len(gone)
             self.num_evicted += len(gone)
-            node.ns.cached_blocks -= len(gone)
+            ns.cached_blocks -= len(gone)
             for b in reversed(gone):
-                self.node_of[b] = None
+                node_of[b] = None
                 pool.release(b)
             if cut == 0:  # the node is gone; its parent may have become a leaf
                 parent = node.parent
                 del parent.children[first_bytes]
                 node.parent = None
                 self.leaf_check(parent)
+                if not ns.cached_blocks:
+                    self.drop_if_unused(ns)
             else:
                 self.leaf_check(node)
-        if removed_keys:
-            self.events.append(BlockRemoved(tuple(removed_keys)))
 
-    def reset(self, roots) -> None:
-        """Drop every cached block (the caller checked that none is referenced)."""
-        keys = []
-        for root in roots:
+    def reset(self) -> None:
+        """Drop every cached block (the caller checked that none is referenced), and every
+        namespace without a live sequence."""
+        events = self.events
+        for ns in list(self.namespaces.values()):
+            root, keys, ids = ns.root, [], []
             stack = list(root.children.values())
             root.children.clear()
             while stack:
                 node = stack.pop()
                 stack += node.children.values()
                 keys += node.keys
+                ids += node.blocks
                 for b in node.blocks:
                     self.node_of[b] = None
                     self.pool.release(b)
-            root.ns.cached_blocks = 0
+            ns.cached_blocks = 0
+            if events is not None and keys:
+                events.append(BlockRemoved(tuple(keys), tuple(ids), ns.salt, ns.adapter_id))
+            self.drop_if_unused(ns)
         self.lru.clear()
         self.num_cached = self.num_evictable = 0
-        if self.events is not None and keys:
-            self.events.append(BlockRemoved(tuple(keys)))
 
     # ---- helpers --------------------------------------------------------------------------
 

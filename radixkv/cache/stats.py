@@ -9,7 +9,10 @@ from .hashing import TOKEN_TYPECODE
 
 @dataclass(frozen=True, slots=True)
 class SaltUsage:
-    """Per-tenant figures; counters are totals since the manager was built."""
+    """Per-tenant figures of a namespace the manager holds now. Its counters are totals since
+    the namespace was created: a namespace is dropped once it has neither a cached block nor
+    a live sequence, so a tenant that comes back starts from zero (the manager-wide counters
+    of CacheStats keep counting)."""
 
     cached_blocks: int  # blocks of this salt in the radix tree (held or evictable)
     num_sequences: int  # live sequences with this salt
@@ -39,7 +42,8 @@ class CacheStats:
     evicted_blocks: int
     deduplicated_blocks: int  # computed blocks dropped at commit for an identical cached twin
     copy_on_write_blocks: int
-    per_salt: dict = field(default_factory=dict)  # salt (as first given) -> SaltUsage
+    per_salt: dict = field(default_factory=dict)  # salt (as first given) -> SaltUsage, held namespaces
+    num_namespaces: int = 0  # (salt, adapter) namespaces held now
 
     @property
     def hit_rate(self) -> float:
@@ -49,50 +53,58 @@ class CacheStats:
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     """Consecutive blocks of one chain entered the tree. parent_key is None for a chain
-    that starts at its namespace root (the first block of a prompt)."""
+    that starts at its namespace root (the first block of a prompt). block_ids[i] is the
+    physical block holding block_keys[i], so an offload tier can copy it out."""
 
     block_keys: tuple
     parent_key: bytes | None
     token_ids: tuple  # block_size * len(block_keys) ids
     block_size: int
-    salt: bytes | None
-    adapter_id: int | str | None
+    salt: bytes | None  # the namespace: salt as UTF-8 bytes (None: no tenant) ...
+    adapter_id: int | str | None  # ... and adapter
+    block_ids: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks left the tree (evicted, or the prefix cache was reset)."""
+    """Blocks of one namespace left the tree (evicted, or the prefix cache was reset);
+    block_ids[i] held block_keys[i] and is free again."""
 
     block_keys: tuple
+    block_ids: tuple = ()
+    salt: bytes | None = None
+    adapter_id: int | str | None = None
 
 
 def build_stats(m) -> CacheStats:
-    """Snapshot of a KVCacheManager; O(live sequences + namespaces)."""
+    """Snapshot of a KVCacheManager; O(live sequences + held namespaces)."""
     B, pool, tree = m.block_size, m.pool, m.tree
     tokens = slots = 0
-    live: dict = {}
     for seq in m._seqs.values():
         held = len(seq.table) * B
         slots += held
         tokens += min(len(seq.tokens), held)
-        live[seq.ns.label] = live.get(seq.ns.label, 0) + 1
     per_salt: dict = {}
-    for ns in m._namespaces.values():  # one salt may have several adapters: add them up
-        u = per_salt.get(ns.label, SaltUsage(0, 0, 0, 0))
-        per_salt[ns.label] = SaltUsage(u.cached_blocks + ns.cached_blocks, live.get(ns.label, 0),
-                                       u.prefix_query_tokens + ns.query_tokens, u.prefix_hit_tokens + ns.hit_tokens)
+    for ns in tree.namespaces.values():  # one salt may have several adapters: add them up
+        u = per_salt.get(ns.label)
+        if u is None:
+            per_salt[ns.label] = SaltUsage(ns.cached_blocks, ns.num_seqs, ns.query_tokens, ns.hit_tokens)
+        else:
+            per_salt[ns.label] = SaltUsage(u.cached_blocks + ns.cached_blocks, u.num_sequences + ns.num_seqs,
+                                           u.prefix_query_tokens + ns.query_tokens,
+                                           u.prefix_hit_tokens + ns.hit_tokens)
     return CacheStats(
         num_blocks=pool.num_blocks, block_size=B, free_blocks=pool.num_free, evictable_blocks=tree.num_evictable,
         in_use_blocks=pool.num_blocks - pool.num_free - tree.num_evictable, cached_blocks=tree.num_cached,
         num_sequences=len(m._seqs), slot_utilization=tokens / slots if slots else 1.0, last_block_slack=slots - tokens,
         prefix_query_tokens=m.prefix_query_tokens, prefix_hit_tokens=m.prefix_hit_tokens,
         evicted_blocks=tree.num_evicted, deduplicated_blocks=tree.num_dedup,
-        copy_on_write_blocks=m.copy_on_write_blocks, per_salt=per_salt)
+        copy_on_write_blocks=m.copy_on_write_blocks, per_salt=per_salt, num_namespaces=len(tree.namespaces))
 
 
-def stored_event(ns, keys, parent_key, data: bytes, block_size: int) -> BlockStored:
+def stored_event(ns, keys, parent_key, data: bytes, block_size: int, block_ids) -> BlockStored:
     toks = array(TOKEN_TYPECODE)
     toks.frombytes(data)
     if sys.byteorder == "big":
         toks.byteswap()
-    return BlockStored(tuple(keys), parent_key, tuple(toks), block_size, ns.salt, ns.adapter_id)
+    return BlockStored(tuple(keys), parent_key, tuple(toks), block_size, ns.salt, ns.adapter_id, tuple(block_ids))
