@@ -2,16 +2,18 @@
 
 Trace: `groups` system prompts of `system` random tokens; `per_group` requests each, in a
 seeded random order across groups; each request = system prompt + `question` random
-tokens, then `decode` output tokens. Per request: add_sequence (match), reserve_slots +
-mark_computed for the uncached prompt part (commit), the same for the output (appended,
-reserved and committed `decode_chunk` tokens at a time), free. The pool holds `pool_frac`
-of the deduplicated working set, so eviction runs. Blocks are never written: this times
-the bookkeeping only, sha256 block keys on.
+tokens, then `decode` output tokens. Per request: add_sequence (match), try_reserve +
+mark_tokens_computed for the uncached prompt part (commit), the same for the output
+(`decode_chunk` tokens at a time), free. The pool holds `pool_frac` of the deduplicated
+working set, so eviction runs. Blocks are never written: this times the bookkeeping only,
+sha256 block keys on.
 
 Reported: wall time of the whole trace (median of `runs`, uninstrumented), per-operation
 throughput from one instrumented run (evict = blocks evicted per second inside
-reserve_slots, whose own figure excludes it), hit rate against the ideal, and the cost of
-each operation as the number of cached blocks grows (it should stay flat).
+try_reserve, whose own figure excludes it), hit rate against the ideal, the Python heap
+the manager holds after the trace, and the cost of each operation as the number of cached
+blocks grows (it should stay flat). `--peer vllm` drives vLLM's v1 KVCacheManager through
+the same trace in the same run (benchmarks/peer_vllm.py) and puts both side by side.
 """
 
 import argparse
@@ -21,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 from radixkv.cache import KVCacheManager
@@ -47,34 +50,53 @@ def run_trace(m: KVCacheManager, trace, decode_chunk: int, timers=None) -> None:
     if timers is None:
         for i, (prompt, out) in enumerate(trace):
             hit = m.add_sequence(i, prompt)
-            assert m.reserve_slots(i, len(prompt) - hit) == 0
-            m.mark_computed(i, len(prompt) - hit)
+            assert m.try_reserve(i, len(prompt) - hit)
+            m.mark_tokens_computed(i, prompt[hit:])
             for j in range(0, len(out), decode_chunk):
                 piece = out[j : j + decode_chunk]
-                m.append_tokens(i, piece)
-                assert m.reserve_slots(i, len(piece)) == 0
-                m.mark_computed(i, len(piece))
+                assert m.try_reserve(i, len(piece))
+                m.mark_tokens_computed(i, piece)
             m.free(i)
         return
 
-    def timed(name, fn, *args):
+    def timed(name, phase, fn, *args):
         t0 = clock()
         r = fn(*args)
+        t = clock() - t0
         acc = timers.setdefault(name, [0.0, 0])
-        acc[0] += clock() - t0
+        acc[0] += t
         acc[1] += 1
+        phases.setdefault(phase, [0.0, 0])[0] += t
         return r
 
+    phases = timers.setdefault("phases", {})  # per request phase, as peer_vllm.py times them
     for i, (prompt, out) in enumerate(trace):
-        hit = timed("match", m.add_sequence, i, prompt)
-        assert timed("reserve", m.reserve_slots, i, len(prompt) - hit) == 0
-        timed("commit", m.mark_computed, i, len(prompt) - hit)
+        hit = timed("match", "lookup", m.add_sequence, i, prompt)
+        assert timed("reserve", "prefill", m.try_reserve, i, len(prompt) - hit)
+        timed("commit", "prefill", m.mark_tokens_computed, i, prompt[hit:])
         for j in range(0, len(out), decode_chunk):
             piece = out[j : j + decode_chunk]
-            timed("append", m.append_tokens, i, piece)
-            assert timed("reserve", m.reserve_slots, i, len(piece)) == 0
-            timed("commit", m.mark_computed, i, len(piece))
-        timed("free", m.free, i)
+            assert timed("reserve", "decode", m.try_reserve, i, len(piece))
+            timed("commit", "decode", m.mark_tokens_computed, i, piece)
+            phases["decode"][1] += 1
+        timed("free", "free", m.free, i)
+        for phase in ("lookup", "prefill", "free"):
+            phases[phase][1] += 1
+
+
+def heap_after_trace(make, drive) -> dict:
+    """Python heap (tracemalloc) held by the manager `make()` builds once `drive(m)` ran
+    the trace, and the peak while it ran; the trace itself is allocated before."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        m = make()
+        drive(m)
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return {"retained_mib": (current - base) / 2**20, "peak_mib": (peak - base) / 2**20}
 
 
 def _instrument_evict(m, timers):
@@ -100,22 +122,28 @@ def measure_trace(args) -> dict:
         run_trace(m, trace, args.decode_chunk)
         walls.append(time.perf_counter() - t0)
         last = m
-    m.check_invariants()
+    last.check_invariants()
     st = last.stats()
     timers: dict = {}
     m = KVCacheManager(N, args.block_size, hash_algo=args.hash_algo)
     _instrument_evict(m, timers)
     run_trace(m, trace, args.decode_chunk, timers)
+    phases = timers.pop("phases")
     ev = timers.get("evict", [0.0, 0])
     timers["reserve"][0] -= ev[0]  # reserve's own cost, eviction reported on its own line
+    heap = heap_after_trace(lambda: KVCacheManager(N, args.block_size, hash_algo=args.hash_algo),
+                            lambda m: run_trace(m, trace, args.decode_chunk))
     query = sum(len(p) for p, _ in trace)
     ideal = (args.groups * (args.per_group - 1)) * (args.system // args.block_size * args.block_size)
     return {
         "num_blocks": N, "requests": len(trace), "wall_s_median": statistics.median(walls),
         "wall_s_runs": walls, "hit_rate": st.prefix_hit_tokens / st.prefix_query_tokens,
+        "hit_tokens": st.prefix_hit_tokens, "query_tokens": st.prefix_query_tokens,
         "ideal_hit_rate": ideal / query, "evicted_blocks": st.evicted_blocks, "decode_chunk": args.decode_chunk,
         "ops": {k: {"calls": c, "ops_per_s": c / t if t else None, "us_per_op": 1e6 * t / c if c else None}
                 for k, (t, c) in timers.items()},
+        "heap": heap, "phases": {k: {"calls": c, "us_per_op": 1e6 * t / c} for k, (t, c) in phases.items()},
+        "trace_data": (trace, N),
     }
 
 
@@ -139,7 +167,7 @@ def measure_scaling(args, sizes=(1_000, 10_000, 100_000, 400_000), reps=300, rou
             timers: dict = {}
             _instrument_evict(m, timers)
             run_trace(_Offset(m, chains + r * reps), [request() for _ in range(reps)], 128, timers)
-            del m.tree.evict  # back to the class's method
+            del m.tree.evict, timers["phases"]  # back to the class's method; phases unused here
             timers["reserve"][0] -= timers["evict"][0]
             rounds.append({k: 1e6 * t / c for k, (t, c) in timers.items()})
         m.check_invariants()
@@ -157,20 +185,17 @@ class _Offset:
     def add_sequence(self, i, p):
         return self.m.add_sequence(i + self.k, p)
 
-    def reserve_slots(self, i, n):
-        return self.m.reserve_slots(i + self.k, n)
+    def try_reserve(self, i, n):
+        return self.m.try_reserve(i + self.k, n)
 
-    def mark_computed(self, i, n):
-        return self.m.mark_computed(i + self.k, n)
-
-    def append_tokens(self, i, t):
-        return self.m.append_tokens(i + self.k, t)
+    def mark_tokens_computed(self, i, t):
+        return self.m.mark_tokens_computed(i + self.k, t)
 
     def free(self, i):
         return self.m.free(i + self.k)
 
 
-def to_markdown(res: dict, scaling: list[dict], cmd: str) -> str:
+def to_markdown(res: dict, scaling: list[dict], cmd: str, peer: dict | None = None) -> str:
     load = ", ".join(f"{x:.1f}" for x in res["load_avg_before"])
     lines = [f"# Cache manager operations\n\n{time.strftime('%Y-%m-%d')}, `{cmd}`, Python {sys.version.split()[0]}, "
              f"this 2-core CPU machine, shared with other jobs (load average before the run {load}).\n",
@@ -181,12 +206,11 @@ def to_markdown(res: dict, scaling: list[dict], cmd: str) -> str:
     for k, v in res["ops"].items():
         unit = " (blocks)" if k == "evict" else ""
         lines.append(f"| {k}{unit} | {v['calls']} | {v['ops_per_s']:,.0f} | {v['us_per_op']:.2f} |")
-    lines += ["", "Decode: output tokens appended, reserved and committed "
+    lines += ["", "Decode: output tokens reserved and committed "
               + ("one at a time (as an engine decodes)." if res["decode_chunk"] == 1 else
-                 f"{res['decode_chunk']} at a time; `--decode-chunk 1` times per-token decoding."),
-              "Peer figures for this trace from DESIGN.md section 7 (not re-measured here): vLLM 0.33 "
-              "KVCacheManager 1.33 s, SGLang 0.5.23 RadixCache 1.16 s (page 1) / 1.64 s (page 16), its "
-              "Rust-core tree 1.07 s; hit rate ~88.7%."]
+                 f"{res['decode_chunk']} at a time; `--decode-chunk 1` times per-token decoding.")]
+    if peer is not None:
+        lines += ["", _peer_markdown(res, peer)]
     if scaling:
         lines += ["", "Cost per operation (us) against cached blocks; each request hits 150 blocks, adds 21, "
                   "evicts 20:", "",
@@ -199,8 +223,31 @@ def to_markdown(res: dict, scaling: list[dict], cmd: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _peer_markdown(res: dict, peer: dict) -> str:
+    if "error" in peer:
+        return f"Peer not run: its cache manager could not be imported here ({peer['error']})."
+    ours, theirs = res["phases"], peer["phases"]
+    rows = [("whole trace (s, median)", f"{res['wall_s_median']:.3f}", f"{peer['wall_s_median']:.3f}",
+             peer["wall_s_median"] / res["wall_s_median"]),
+            ("hit rate", f"{res['hit_rate']:.2%} ({res['hit_tokens']:,} tokens)",
+             f"{peer['hit_rate']:.2%} ({peer['hit_tokens']:,} tokens)", None),
+            ("evicted blocks", f"{res['evicted_blocks']:,}", f"{peer['evicted_blocks']:,}", None)]
+    for k, label in (("lookup", "lookup, per request"), ("prefill", "prefill reserve + commit, per request"),
+                     ("decode", "decode reserve + commit, per chunk"), ("free", "free, per request")):
+        a, b = ours[k]["us_per_op"], theirs[k]["us_per_op"]
+        rows.append((f"{label} (us)", f"{a:.1f}", f"{b:.1f}", b / a))
+    for k, label in (("retained_mib", "heap held after the trace (MiB)"), ("peak_mib", "heap peak during it (MiB)")):
+        a, b = res["heap"][k], peer["heap"][k]
+        rows.append((label, f"{a:.1f}", f"{b:.1f}", b / a if a else None))
+    out = [f"Side by side with {peer['name']}, the same trace in the same run (benchmarks/peer_vllm.py: "
+           "lookup includes hashing the prompt's blocks, which vLLM does when a request is created; "
+           "its allocate_slots also caches the new full blocks):", "",
+           "| | radixkv.cache | " + peer["name"] + " | peer / ours |", "|---|---:|---:|---:|"]
+    out += [f"| {name} | {a} | {b} | {'' if r is None else f'{r:.1f}x'} |" for name, a, b, r in rows]
+    return "\n".join(out)
+
+
+def add_arguments(ap) -> None:
     ap.add_argument("--groups", type=int, default=64)
     ap.add_argument("--per-group", type=int, default=32)
     ap.add_argument("--system", type=int, default=2400)
@@ -213,20 +260,42 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-scaling", action="store_true")
+    ap.add_argument("--peer", choices=["vllm"], default=None,
+                    help="also drive this peer's cache manager through the trace (pip install '.[peers]')")
     ap.add_argument("--out", default="benchmarks/results", help="folder for cache_ops.json / cache_ops.md ('' = none)")
-    args = ap.parse_args(argv)
+
+
+def main(args=None) -> int:
+    """`args`: parsed arguments (radixkv bench cache-ops), or an argv list, or None (sys.argv)."""
+    if not isinstance(args, argparse.Namespace):
+        ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        add_arguments(ap)
+        argv = args
+        args = ap.parse_args(argv)
+        shown, prog = (sys.argv[1:] if argv is None else argv), "python -m benchmarks.cache_ops"
+    else:
+        shown = sys.argv[3:] if sys.argv[1:3] == ["bench", "cache-ops"] else []
+        prog = "radixkv bench cache-ops"
     load = os.getloadavg()
     res = measure_trace(args)
     res["load_avg_before"] = load
+    trace, N = res.pop("trace_data")
+    peer = None
+    if args.peer == "vllm":
+        from benchmarks import peer_vllm
+
+        peer = peer_vllm.measure(trace, N, args.block_size, args.decode_chunk, args.runs)
+    del trace
     scaling = [] if args.no_scaling else measure_scaling(args)
-    cmd = "python -m benchmarks.cache_ops" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(argv or sys.argv[1:]))
-    md = to_markdown(res, scaling, cmd)
+    cmd = prog + "".join(" " + a for a in shown)
+    md = to_markdown(res, scaling, cmd, peer)
     print(md)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        tag = "" if args.decode_chunk == 128 else f"_chunk{args.decode_chunk}"
-        (out / f"cache_ops{tag}.json").write_text(json.dumps({"args": vars(args), "trace": res, "scaling": scaling}, indent=1) + "\n")
+        tag = ("" if args.decode_chunk == 128 else f"_chunk{args.decode_chunk}") + (f"_{args.peer}" if args.peer else "")
+        (out / f"cache_ops{tag}.json").write_text(
+            json.dumps({"args": vars(args), "trace": res, "peer": peer, "scaling": scaling}, indent=1) + "\n")
         (out / f"cache_ops{tag}.md").write_text(md)
     return 0
 
