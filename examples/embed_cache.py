@@ -12,7 +12,7 @@ hit, a missed copy-on-write or a recycled block would show up as an error.
 import random
 from collections import deque
 
-from radixkv.cache import KVCacheManager
+from radixkv.cache import BlockRemoved, BlockStored, KVCacheManager
 
 BLOCK = 16
 
@@ -33,40 +33,34 @@ class ToyEngine:
     # -- admission ---------------------------------------------------------------------------
     def admit(self, rid: str, prompt: list[int], salt=None) -> bool:
         """Admit if the uncached part of the prompt fits; returns False to retry later."""
-        hit = self.cache.peek_prefix(prompt, salt=salt)  # pins nothing
-        need = -(-len(prompt) // BLOCK) - hit // BLOCK
-        if need > self.cache.num_available_blocks:
-            return False
-        hit = self.cache.add_sequence(rid, prompt, salt=salt)  # pins the hit blocks
-        if self.cache.reserve_slots(rid, len(prompt) - hit) != 0:
-            self.cache.free(rid)  # all or nothing: nothing was taken
-            return False
+        if not self.cache.try_admit(rid, prompt, salt=salt):  # pins the hit, reserves the rest
+            return False  # refused: nothing changed (no counter, no LRU position)
+        hit = self.cache.num_computed_tokens(rid)
         self.tokens[rid], self.outputs[rid] = list(prompt), []
         print(f"  {rid:>8}: {len(prompt)} prompt tokens, {hit} from the cache")
-        self.forward(rid, len(prompt) - hit)
+        self.forward(rid, prompt[hit:])
         return True
 
-    # -- one forward over the tokens [computed, computed + n) ---------------------------------
-    def forward(self, rid: str, n: int) -> None:
+    # -- one forward over `new`, the tokens right after the computed ones -----------------------
+    def forward(self, rid: str, new: list[int]) -> None:
         for src, dst in self.cache.take_copy_ops():  # copy-on-write, before any write
             self.slots[dst * BLOCK : (dst + 1) * BLOCK] = self.slots[src * BLOCK : (src + 1) * BLOCK]
         table, done, toks = self.cache.block_table(rid), self.cache.num_computed_tokens(rid), self.tokens[rid]
         for i in range(done):  # attention reads the cached prefix: check it is ours
             assert self.slots[table[i // BLOCK] * BLOCK + i % BLOCK] == kv_of(tuple(toks[: i + 1])), (rid, i)
-        for i in range(done, done + n):  # slot mapping: block_table[i // B] * B + i % B
+        for i in range(done, done + len(new)):  # slot mapping: block_table[i // B] * B + i % B
             self.slots[table[i // BLOCK] * BLOCK + i % BLOCK] = kv_of(tuple(toks[: i + 1]))
-        self.cache.mark_computed(rid, n)  # full blocks enter the radix tree
+        self.cache.mark_tokens_computed(rid, new)  # checked against the prompt; full blocks enter the tree
 
     # -- decoding ----------------------------------------------------------------------------
     def decode_step(self, rid: str) -> bool:
         """Sample one token and run it; False when the pool is out of blocks."""
-        if self.cache.reserve_slots(rid, 1) != 0:
+        if not self.cache.try_reserve(rid, 1):  # blocks_short(rid, 1) would say how many are missing
             return False
         tok = self.rng.randrange(1000)
-        self.cache.append_tokens(rid, [tok])
         self.tokens[rid].append(tok)
         self.outputs[rid].append(tok)
-        self.forward(rid, 1)
+        self.forward(rid, [tok])  # the manager learns the token as it is marked computed
         return True
 
     def fork(self, parent: str, child: str) -> None:
@@ -106,9 +100,10 @@ def main() -> None:
     print(f"hit rate {st.hit_rate:.1%}, {st.copy_on_write_blocks} copy-on-write blocks, "
           f"{st.evicted_blocks} evicted, {st.cached_blocks} cached, {st.free_blocks} free")
     events = engine.cache.take_events()
-    stored = sum(len(e.block_keys) for e in events if type(e).__name__ == "BlockStored")
-    removed = sum(len(e.block_keys) for e in events if type(e).__name__ == "BlockRemoved")
-    print(f"events for a router: {stored} blocks stored, {removed} removed")
+    stored = sum(len(e.block_ids) for e in events if isinstance(e, BlockStored))
+    removed = sum(len(e.block_ids) for e in events if isinstance(e, BlockRemoved))
+    print(f"events for a router or an offload tier (keys and block ids): {stored} blocks stored, {removed} removed")
+    assert stored - removed == st.cached_blocks
     assert st.hit_rate > 0.5 and st.copy_on_write_blocks >= 2 and st.evicted_blocks > 0
 
 
