@@ -65,16 +65,16 @@ class _Trace:
         self.next_id += 1
         return self.next_id
 
-    def compute(self, sid: int, tokens: int) -> None:
-        missing = self.m.reserve_slots(sid, tokens)
-        assert missing == 0, f"pool too small by {missing} blocks"
+    def compute(self, sid: int, token_ids: list[int]) -> None:
+        assert self.m.try_reserve(sid, len(token_ids)), \
+            f"pool too small by {self.m.blocks_short(sid, len(token_ids))} blocks"
         self.m.take_copy_ops()  # an engine runs these before the forward; here only the accounting matters
-        self.m.mark_computed(sid, tokens)
+        self.m.mark_tokens_computed(sid, token_ids)
 
     def admit(self, req) -> list[int]:
         sid = self.new_id()
         cached = self.m.add_sequence(sid, req.prompt, salt=req.salt)
-        self.compute(sid, len(req.prompt) - cached)
+        self.compute(sid, req.prompt[cached:])
         sids = [sid]
         for i in range(1, max(req.n, req.beam_width, 1)):
             child = self.new_id()
@@ -89,8 +89,7 @@ class _Trace:
     def step_sequence(self, sid: int, k: int) -> None:
         out, produced = self.live[sid]
         k = min(k, len(out) - produced)
-        self.m.append_tokens(sid, out[produced : produced + k])
-        self.compute(sid, k)
+        self.compute(sid, out[produced : produced + k])
         self.live[sid] = (out, produced + k)
 
     def sample(self) -> None:

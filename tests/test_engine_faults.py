@@ -348,14 +348,14 @@ def test_an_exception_in_schedule_fails_the_unfinished_requests(tiny_llama_dir, 
         monkeypatch.setattr(e.scheduler, "schedule", schedule_then_fail)
     else:  # a new prompt's cached blocks are pinned, then its reservation raises: waiting, holding blocks
         e.add_request("late", _prompt(21, 2)[:16] + _prompt(5, 7), _greedy(4))  # shares g0's first blocks
-        reserve, pinned = e.cache.reserve_slots, {s.seq_id for s in e.scheduler.waiting}
+        reserve, pinned = e.cache.try_reserve, {s.seq_id for s in e.scheduler.waiting}
 
         def reserve_or_fail(seq_id, n):
             if seq_id in pinned:
                 raise RuntimeError("injected: reserve failed")
             return reserve(seq_id, n)
 
-        monkeypatch.setattr(e.cache, "reserve_slots", reserve_or_fail)
+        monkeypatch.setattr(e.cache, "try_reserve", reserve_or_fail)
     outs = {o.request_id: o for o in e.step()}
     assert set(outs) == {"bad", "g0", "g1", "pair", "seeded"} | ({"late"} if where == "mid-admission" else set())
     assert all(out.finished and all(c.finish_reason == "error" for c in out.outputs) for out in outs.values())

@@ -48,7 +48,7 @@ def _simulate(lengths, max_tokens, block_size, num_blocks, max_num_seqs, budget,
             table = cache.block_table(s.seq_id)
             assert batch.block_tables[i, : len(table)].tolist() == table
         for seq, n in out.scheduled:
-            cache.mark_computed(seq.seq_id, n)
+            cache.mark_tokens_computed(seq.seq_id, seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
             seq.num_computed_tokens += n
             sched.computed += n
             assert cache.num_computed_tokens(seq.seq_id) == seq.num_computed_tokens
@@ -115,7 +115,7 @@ def test_chunked_prefill_mixes_with_decodes():
     out = sched.schedule()
     assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 3), (1, 5)]
     for s, n in out.scheduled:
-        cache.mark_computed(s.seq_id, n)
+        cache.mark_tokens_computed(s.seq_id, s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n])
         s.num_computed_tokens += n
     a = reqs[0].seqs[0]
     a.token_ids.append(9)

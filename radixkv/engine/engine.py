@@ -281,15 +281,16 @@ class Engine:
     def _commit(self, scheduled: list[tuple[Sequence, int]], num_tokens: int) -> None:
         """The computed KV enters the cache; what each request held this step is recorded."""
         prompt_computed, multi, B = 0, {}, self.block_size
-        mark_computed, running = self.cache.mark_computed, Status.RUNNING
+        mark_computed, running = self.cache.mark_tokens_computed, Status.RUNNING
         for seq, n in scheduled:
             if seq.status is not running:  # its request failed in this step
                 continue
             req = seq.request
             try:
                 start = seq.num_computed_tokens
-                mark_computed(seq.seq_id, n)
-                end = seq.num_computed_tokens = start + n
+                end = start + n
+                mark_computed(seq.seq_id, seq.token_ids[start:end])
+                seq.num_computed_tokens = end
                 if start < len(req.prompt_token_ids):
                     k = min(end, len(req.prompt_token_ids)) - start
                     req.num_computed_prompt_tokens += k

@@ -146,7 +146,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         limit, chunk, reserve, running = self.max_num_batched_tokens, self.max_prefill_chunk, \
-            self.cache.reserve_slots, Status.RUNNING
+            self.cache.try_reserve, Status.RUNNING
         beams_done = set()
         for seq in list(self.running):  # a copy: preemption removes from the list
             budget = limit - out.num_batched_tokens
@@ -161,7 +161,7 @@ class Scheduler:
                 continue
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget, chunk)
             assert n > 0, "a running sequence has nothing to compute"
-            if reserve(seq.seq_id, n) == 0 or self._reserve(seq, n, out):
+            if reserve(seq.seq_id, n) or self._reserve(seq, n, out):
                 out.scheduled.append((seq, n))
                 out.num_batched_tokens += n
         if not out.preempted:  # admitting right after a preemption would only thrash
@@ -183,7 +183,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Reserve n slots, preempting the latest running non-beam sequences as needed; False if
         `seq` itself was preempted."""
-        while self.cache.reserve_slots(seq.seq_id, n) != 0:
+        while not self.cache.try_reserve(seq.seq_id, n):
             victim = self._victim()
             assert victim is not None, "beam requests outgrew their reservation"
             self._preempt(victim, out)
@@ -224,7 +224,7 @@ class Scheduler:
                 break
             hit = self.cache.add_sequence(seq.seq_id, seq.token_ids, salt=salt)
             n = min(seq.num_tokens - hit, budget, self.max_prefill_chunk)
-            if self.cache.reserve_slots(seq.seq_id, n) != 0:
+            if not self.cache.try_reserve(seq.seq_id, n):
                 self.cache.free(seq.seq_id)
                 break
             del self.waiting[idx]
