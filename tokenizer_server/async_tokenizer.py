@@ -1,28 +1,32 @@
 """Prompt tokenization and chat templating for the front, off the event loop when the text is long.
 
 Measured on the tiny model's byte-level BPE tokenizer (tokenizers 0.23.3, transformers 5.24, a
-2-core machine), 30 MB of text (14.2M tokens) encoded in a thread while the loop timed its 5 ms
-sleeps:
+2-core VM), 30 MB of text (14.2M tokens) encoded in a thread while the loop timed its 5 ms sleeps:
 
 - tokenizers' Tokenizer.encode holds the GIL throughout: the loop stops for the whole encode;
 - Tokenizer.encode_batch and encode_batch_fast release it while the Rust code runs, but
   transformers' tokenizer.encode (encode_batch underneath) then builds Python lists of every id
   and mask with the GIL held: stalls of 0.4-0.7 s;
-- encode_batch_fast (no offsets: twice as fast) holds it only to copy the text in (~25 ms) and
-  to free the Encoding (~60 ms); the loop's wake-ups stay within 5 ms otherwise.
+- encode_batch_fast (no offsets: twice as fast) holds it only to copy the text in (~25 ms) and to
+  free the 14.2M-token Encoding (~60 ms); the loop's wake-ups stay within 5 ms otherwise. Both
+  grow with the text, and the encode peaks at ~140 bytes of memory per input byte (4 GB here).
 
-So a thread is enough, as long as the ids of a prompt longer than the context never become a
-Python list: their count alone says the prompt is refused. Short texts are encoded inline: up to
-INLINE_MAX_CHARS that takes at most ~0.2 ms, about what a hop to a thread and back costs. Very
-long texts queue in a lane of their own, so one of them never holds up ordinary prompts.
+So a thread is enough for ordinary prompts, as long as the ids of a prompt longer than the
+context never become a Python list (their count alone says the prompt is refused). Texts up to
+INLINE_MAX_CHARS are encoded inline: that takes at most ~0.2 ms, about what a hop to a thread and
+back costs. From BULK_MIN_CHARS, a text is encoded by a child process of its own, fed 1 MiB at
+a time from a thread of a separate lane: the front then never holds the GIL for more than one
+such slice, never holds the encode's memory, and one bulk text never holds up ordinary prompts.
 """
 
 import asyncio
+import multiprocessing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 INLINE_MAX_CHARS = 1024
-BULK_MIN_CHARS = 1 << 20  # ~0.2-0.5 s of tokenization and up; a 30 MB prompt takes 15-50 s
+BULK_MIN_CHARS = 1 << 20  # ~0.3-0.7 s of tokenization and up; a process starts in ~0.15 s
+BULK_SLICE_CHARS = 1 << 20
 
 
 class ChatTemplateError(Exception):
@@ -45,6 +49,8 @@ class AsyncTokenizer:
         self._inline_max_chars, self._bulk_min_chars = inline_max_chars, bulk_min_chars
         self._lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._bulk_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-bulk")
+        # spawn: a fresh interpreter, not a fork of this threaded one
+        self._processes = multiprocessing.get_context("spawn")
 
     async def encode(self, texts: list[str], *, max_tokens: int, add_special_tokens: bool = True) -> list[Encoded]:
         """One Encoded per text; token_ids is None for a text of more than max_tokens tokens."""
@@ -66,8 +72,9 @@ class AsyncTokenizer:
         if self._backend is None:
             ids = [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
             return [Encoded(len(i), i if len(i) <= max_tokens else None) for i in ids]
-        encodings = self._backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        return [Encoded(len(e), e.ids if len(e) <= max_tokens else None) for e in encodings]
+        if sum(map(len, texts)) >= self._bulk_min_chars:
+            return self._encode_in_child(texts, max_tokens, add_special_tokens)
+        return _encode_with(self._backend, texts, max_tokens, add_special_tokens)
 
     def _encode_chat(self, conversation: list[dict], add_generation_prompt: bool, max_tokens: int) -> Encoded:
         try:
@@ -78,6 +85,24 @@ class AsyncTokenizer:
         # The template writes the special tokens itself.
         return self._encode([text], max_tokens, add_special_tokens=False)[0]
 
+    def _encode_in_child(self, texts: list[str], max_tokens: int, add_special_tokens: bool) -> list[Encoded]:
+        """Blocks its (bulk lane) thread, mostly in pipe I/O without the GIL."""
+        conn, child_conn = self._processes.Pipe()
+        child = self._processes.Process(
+            target=_child_main, args=(child_conn, self._backend.to_str(), max_tokens, add_special_tokens),
+            name="tokenize-bulk", daemon=True,  # daemon: killed, not awaited, when the server exits
+        )
+        child.start()
+        child_conn.close()
+        try:
+            _send_texts(conn, texts)
+            return [Encoded(n, ids) for n, ids in conn.recv()]
+        except (EOFError, OSError) as e:
+            raise RuntimeError(f"the tokenizer process exited with code {child.exitcode}") from e
+        finally:
+            conn.close()
+            child.join()
+
 
 def _rust_backend(tokenizer):
     """The tokenizers.Tokenizer under a transformers tokenizer, or None where calling it directly
@@ -86,3 +111,36 @@ def _rust_backend(tokenizer):
     if backend is None or getattr(tokenizer, "split_special_tokens", False):
         return None  # a Python tokenizer; or transformers flips the backend's flag on each call
     return backend
+
+
+def _encode_with(backend, texts: list[str], max_tokens: int, add_special_tokens: bool) -> list[Encoded]:
+    encodings = backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+    return [Encoded(len(e), e.ids if len(e) <= max_tokens else None) for e in encodings]
+
+
+def _send_texts(conn, texts: list[str]) -> None:
+    """Each text as UTF-8 slices, then b"": the GIL is held for one slice's encode at a time."""
+    conn.send(len(texts))
+    for text in texts:
+        for start in range(0, len(text), BULK_SLICE_CHARS):
+            conn.send_bytes(text[start:start + BULK_SLICE_CHARS].encode())
+        conn.send_bytes(b"")
+
+
+def _recv_texts(conn) -> list[str]:
+    texts = []
+    for _ in range(conn.recv()):
+        parts = []
+        while part := conn.recv_bytes():
+            parts.append(part)
+        texts.append(b"".join(parts).decode())
+    return texts
+
+
+def _child_main(conn, tokenizer_json: str, max_tokens: int, add_special_tokens: bool) -> None:
+    """A bulk encode in a process of its own: only the counts, and the ids that fit, go back."""
+    from tokenizers import Tokenizer
+    backend = Tokenizer.from_str(tokenizer_json)
+    encoded = _encode_with(backend, _recv_texts(conn), max_tokens, add_special_tokens)
+    conn.send([(e.num_tokens, e.token_ids) for e in encoded])
+    conn.close()
