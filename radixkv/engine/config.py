@@ -11,7 +11,7 @@ POLICIES = ("fcfs", "lpm")
 
 @dataclass
 class EngineConfig:
-    model_dir: str | None
+    model_dir: str | None  # an HF folder, a .gguf file, or a folder holding one .gguf
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # auto: the checkpoint's dtype on cuda (bfloat16 for float32 ones), float32 on cpu
     load_format: str = "safetensors"  # "dummy": seeded random weights of the config's shape
@@ -58,7 +58,7 @@ class EngineConfig:
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.model_dir is None:
-            raise ValueError("model_dir is required (a folder with config.json)")
+            raise ValueError("model_dir is required (an HF model folder or a .gguf file)")
         positive_int("block_size", self.block_size)
         positive_int("num_blocks", self.num_blocks, allow_none=True)
         positive_int("max_model_len", self.max_model_len, allow_none=True)

@@ -1,4 +1,4 @@
-"""`radixkv generate MODEL_DIR --prompt ...`: offline generation from the command line.
+"""`radixkv generate MODEL --prompt ...`: offline generation from the command line.
 
 Top-level imports stay light (no torch) so that `radixkv --help` is fast.
 """
@@ -10,7 +10,9 @@ import sys
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model_dir", help="HF model folder (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("model_dir", metavar="MODEL",
+                   help="HF model folder (config.json, *.safetensors, tokenizer files), a .gguf file, "
+                        "or a folder holding one .gguf")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64)

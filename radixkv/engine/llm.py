@@ -1,6 +1,6 @@
 """LLM: the offline API. Prompts (text or token ids) in, finished outputs with text out.
 
-    llm = LLM("path/to/model", num_blocks=512)
+    llm = LLM("path/to/model", num_blocks=512)   # an HF folder or a .gguf file
     outs = llm.generate(["Hello", "The sky"], SamplingParams(temperature=0, max_tokens=32))
     outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].num_cached_tokens
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from dataclasses import replace
 
 from radixkv.engine.config import EngineConfig
@@ -24,28 +23,22 @@ from radixkv.engine.engine import Engine
 from radixkv.engine.errors import is_device_error
 from radixkv.engine.outputs import CompletionOutput, RequestOutput
 from radixkv.engine.sampling_params import SamplingParams
+from radixkv.models.source import load_tokenizer
 
 logger = logging.getLogger("radixkv.engine")
 
 
-def _load_tokenizer(model_dir: str):
-    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-
-
 class LLM:
     def __init__(self, model_dir: str, **engine_args):
+        """model_dir: an HF folder, a .gguf file, or a folder holding one .gguf."""
         self.engine = Engine(EngineConfig(model_dir=model_dir, **engine_args))
-        self.tokenizer = _load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         self._ids = itertools.count()
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompts: text prompts need tokenizer files in the model folder")
+                raise ValueError("prompts: text prompts need a tokenizer (tokenizer files in the model folder, or a GGUF)")
             return prompt, self.tokenizer(prompt)["input_ids"]
         return None, list(prompt)
 

@@ -1,4 +1,5 @@
-"""ModelConfig: the few fields of an HF config.json that the Llama-family decoder needs.
+"""ModelConfig: the few fields of an HF config.json (or a GGUF's metadata, gguf.py) that the
+Llama-family decoder needs.
 
 transformers' AutoConfig parses the file (it knows each architecture's defaults and normalises
 old `rope_theta`/`rope_scaling` into `rope_parameters`); we copy what we use into a plain
@@ -126,9 +127,15 @@ def from_hf_config(hf, generation_eos=None) -> ModelConfig:
 
 
 def load_model_config(model_dir: str) -> ModelConfig:
-    """Read config.json (and generation_config.json's eos_token_id, which wins) from a folder."""
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise ValueError(f"model_dir {model_dir!r} has no config.json")
+    """The config of an HF folder (config.json, and generation_config.json's eos_token_id, which
+    wins) or of a GGUF file's metadata (a .gguf, or a folder holding one: see source.py)."""
+    from radixkv.models.source import resolve_model
+
+    src = resolve_model(model_dir)
+    if src.is_gguf:
+        from radixkv.models.gguf import load_gguf_config
+
+        return load_gguf_config(src.path)
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)

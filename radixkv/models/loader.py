@@ -1,4 +1,5 @@
-"""Weights: HF safetensors folders (sharded or not) into the decoder, or seeded random ones.
+"""Weights: HF safetensors folders (sharded or not) or GGUF files (gguf.py) into the decoder,
+or seeded random ones.
 
 HF names map onto ours except for the merged projections (q/k/v -> qkv_proj, gate/up ->
 gate_up_proj), which each Linear describes with its `shards`.
@@ -107,8 +108,13 @@ def load_model(
     max_positions: int | None = None,
     seed: int = 0,
 ) -> nn.Module:
-    """Build the decoder for `cfg` on `device` in `dtype` and fill its weights."""
+    """Build the decoder for `cfg` on `device` in `dtype` and fill its weights.
+
+    NOTE: load_format picks real weights or seeded random ones, not the file format: the
+    default ("safetensors") reads whatever checkpoint model_dir names, an HF folder's
+    safetensors or a GGUF's tensors, so the engine and its options do not change for GGUF."""
     from radixkv.models.llama import LlamaForCausalLM
+    from radixkv.models.source import resolve_model
 
     if load_format not in ("safetensors", "dummy"):
         raise ValueError(f"load_format {load_format!r} not in ('safetensors', 'dummy')")
@@ -122,6 +128,10 @@ def load_model(
     # RoPE tables are built in explicit float32 whatever the default dtype
     if load_format == "dummy":
         init_dummy_weights(model, seed)
+    elif (src := resolve_model(model_dir)).is_gguf:
+        from radixkv.models.gguf import iter_gguf_weights
+
+        load_weights(model, iter_gguf_weights(src.path, cfg))
     else:
         load_weights(model, iter_safetensors(model_dir, device))
     return model.eval().requires_grad_(False)

@@ -20,6 +20,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     p = cfg.rope_parameters
     if cfg.rope_type == "linear":
         return inv_freq / float(p["factor"])
+    if cfg.rope_type == "llama3" and "freq_factors" in p:
+        # GGUF files store Llama 3's scaling as the divisor of each frequency
+        return inv_freq / torch.tensor(p["freq_factors"], dtype=torch.float32)
     if cfg.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, p)
     assert cfg.rope_type == "default", cfg.rope_type
