@@ -22,6 +22,7 @@ such slice, never holds the encode's memory, and one bulk text never holds up or
 import asyncio
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ class AsyncTokenizer:
         self._backend = _rust_backend(tokenizer)
         self._inline_max_chars, self._bulk_min_chars = inline_max_chars, bulk_min_chars
         self._lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self._bulk_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-bulk")
+        self._bulk_slot = asyncio.Semaphore(1)  # one bulk encode at a time: each may take GBs
         # spawn: a fresh interpreter, not a fork of this threaded one
         self._processes = multiprocessing.get_context("spawn")
 
@@ -70,8 +71,10 @@ class AsyncTokenizer:
     async def _run(self, num_chars: int, fn, *args):
         if num_chars <= self._inline_max_chars:
             return fn(*args)
-        lane = self._bulk_lane if num_chars >= self._bulk_min_chars else self._lane
-        return await asyncio.get_running_loop().run_in_executor(lane, fn, *args)
+        if num_chars < self._bulk_min_chars:
+            return await asyncio.get_running_loop().run_in_executor(self._lane, fn, *args)
+        async with self._bulk_slot:
+            return await _in_daemon_thread(fn, *args)
 
     def _encode(self, texts: list[str], max_tokens: int, add_special_tokens: bool) -> list[Encoded]:
         if self._backend is None:
@@ -91,7 +94,7 @@ class AsyncTokenizer:
         return self._encode([text], max_tokens, add_special_tokens=False)[0]
 
     def _encode_in_child(self, texts: list[str], max_tokens: int, add_special_tokens: bool) -> list[Encoded]:
-        """Blocks its (bulk lane) thread, mostly in pipe I/O without the GIL."""
+        """Blocks its thread, mostly in pipe I/O without the GIL."""
         conn, child_conn = self._processes.Pipe()
         child = self._processes.Process(
             target=_child_main, args=(child_conn, self._backend.to_str(), max_tokens, add_special_tokens),
@@ -107,6 +110,34 @@ class AsyncTokenizer:
         finally:
             conn.close()
             child.join()
+
+
+async def _in_daemon_thread(fn, *args):
+    """fn(*args) in a daemon thread of its own: unlike an executor's threads, an exiting server
+    does not wait for it (a bulk encode can take a minute; its daemon child is killed at exit)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(result, error) -> None:
+        if done.done():  # the request was cancelled meanwhile
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    threading.Thread(target=run, name="tokenize-bulk", daemon=True).start()
+    return await done
 
 
 def _rust_backend(tokenizer):
