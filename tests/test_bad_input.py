@@ -177,7 +177,8 @@ CASES = [
     *chats("messages.0.name", chat(messages=[{"role": "user", "content": "x", "name": "\ud800"}]),
            chat(messages=[{"role": "user", "content": "x", "name": 5}]),
            chat(messages=[{"role": "user", "content": "x", "name": "n" * 257}])),
-    *chats("messages.0.tool_calls", chat(messages=[{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}])),
+    *chats("messages.0.tool_calls",
+           chat(messages=[{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}])),
     # chat: its own numbers and switches
     *chats("max_completion_tokens", chat(max_tokens=None, max_completion_tokens=0),
            chat(max_tokens=None, max_completion_tokens=BIG), chat(max_tokens=None, max_completion_tokens=2000),
