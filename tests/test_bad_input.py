@@ -2,8 +2,11 @@
 fault, and never reach the engine: after each one a valid request still succeeds, the engine
 worker is the one the server started with, and an idle pool holds no block. Bodies go out as
 raw JSON text, so NaN and Infinity literals, lone-surrogate escapes and ints past int64 arrive
-exactly as a hostile client writes them. One real server for the whole module."""
+exactly as a hostile client writes them. One real server for the whole module; beside it, what
+the front makes of the engine's answers (a rejection naming a field, a failed request, a dead
+worker), with a stand-in for the engine client."""
 
+import asyncio
 import json
 from dataclasses import dataclass
 
@@ -12,7 +15,13 @@ import psutil
 import pytest
 from test_server_harness import running_server, wait_for
 
+from radixkv import protocol as P
 from tokenizer_server.api_models import MAX_SEED
+from tokenizer_server.client import WorkerUnavailable
+from tokenizer_server.errors import APIError
+from tokenizer_server.generation import GenerationGroup
+from tokenizer_server.metrics import ServerMetrics
+from tokenizer_server.serving_common import stream
 
 MODEL = "tiny"
 VOCAB = 2048  # the tiny model's
@@ -274,6 +283,89 @@ def test_there_are_enough_cases():
 def test_bad_input_is_refused_by_name_and_the_server_still_serves(http, i, case):
     assert_error(http.post(case.path, content=case.content()), case)
     assert_serves(http, *VALID[i % len(VALID)])
+
+
+# ---- what the engine answers: a rejection names its field, a failure is a generic 500 -------------
+
+
+class FakeClient:
+    """An EngineClient that keeps what the group sends; deltas are put on its queue by hand."""
+
+    def __init__(self, unavailable: str | None = None):
+        self.unavailable, self.sinks, self.aborted = unavailable, {}, []
+
+    def add_request(self, req, sink) -> None:
+        if self.unavailable is not None:
+            raise WorkerUnavailable(self.unavailable)
+        self.sinks[req.request_id] = sink
+
+    def abort(self, request_ids) -> None:
+        self.aborted += list(request_ids)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir, local_files_only=True)
+
+
+def group_of(tokenizer, client, n: int = 1) -> GenerationGroup:
+    metrics = ServerMetrics(lambda: None, lambda: True)
+    group = GenerationGroup(client, tokenizer, metrics, "cmpl-x", [[1, 2, 3]], P.SamplingOptions(n=n, max_tokens=4))
+    group.start()
+    return group
+
+
+def delta(*finish_reasons, finished=False) -> P.RequestDelta:
+    choices = [P.ChoiceDelta(i, [5], finish_reason=f) for i, f in enumerate(finish_reasons)]
+    return P.RequestDelta("cmpl-x", choices, 3, 0, finished)
+
+
+def test_a_worker_rejection_is_a_400_naming_its_field(tokenizer):
+    client = FakeClient()
+    group = group_of(tokenizer, client)
+    client.sinks["cmpl-x"].put_nowait(P.RequestRejected("cmpl-x", "n: 9 sequences exceed max_num_seqs (8)", "n"))
+    with pytest.raises(APIError) as e:
+        asyncio.run(group.next_events())
+    assert e.value.status == 400 and e.value.body()["error"]["param"] == "n"
+
+
+def test_an_engine_failure_is_a_generic_500_and_aborts_the_rest(tokenizer):
+    client = FakeClient()
+    group = group_of(tokenizer, client, n=2)
+    client.sinks["cmpl-x"].put_nowait(delta("error", None))
+    with pytest.raises(APIError) as e:
+        asyncio.run(group.next_events())
+    assert e.value.status == 500
+    assert e.value.body()["error"] == {"message": "the engine failed while generating this request",
+                                       "type": "server_error", "param": None, "code": "engine_error"}
+    assert client.aborted == ["cmpl-x"]  # the sample still running is stopped
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event_then_done(tokenizer):
+    client = FakeClient()
+    group = group_of(tokenizer, client)
+
+    async def body() -> list[bytes]:
+        client.sinks["cmpl-x"].put_nowait(delta(None))
+        first = await group.wait_started()  # here the response commits to 200
+        client.sinks["cmpl-x"].put_nowait(delta("error", finished=True))
+        response = stream(group, first, lambda events: [{"text": ev.text} for ev in events], lambda: [])
+        return [chunk async for chunk in response.body_iterator]
+
+    chunks = asyncio.run(body())
+    assert chunks[0].startswith(b"data: {") and b"error" not in chunks[0]
+    error = json.loads(chunks[-2].removeprefix(b"data: "))["error"]
+    assert error["code"] == "engine_error" and error["type"] == "server_error"
+    assert chunks[-1] == b"data: [DONE]\n\n"
+
+
+def test_a_dead_worker_is_a_503_with_the_short_reason_only(tokenizer):
+    with pytest.raises(APIError) as e:
+        group_of(tokenizer, FakeClient(unavailable="engine worker died"))
+    assert e.value.status == 503
+    assert e.value.body()["error"]["message"] == "the engine is unavailable: engine worker died"
 
 
 def test_the_crash_cases_never_reached_the_engine(server):
