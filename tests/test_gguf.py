@@ -440,3 +440,33 @@ def test_k_quant_encoders_agree_with_the_librarys_decoder():
         np.testing.assert_allclose(dequantize(packed, QT[qtype]), decoded, rtol=1e-6, atol=1e-9, err_msg=qtype)
         rel = np.abs(decoded - x).reshape(-1, 256).max(-1) / np.abs(x).reshape(-1, 256).max(-1)
         assert rel.max() <= BLOCK_ERROR[qtype] + 2 ** -9, (qtype, rel.max())
+
+
+def test_serve_a_gguf(tiny_llama_dir, tmp_path):
+    """`radixkv serve FILE.gguf`: the front's tokenizer and chat template come from the file, the
+    worker's weights too; the answer is the offline engine's. A bad MODEL exits with 2."""
+    import subprocess
+    import sys
+
+    import httpx
+    from test_server_harness import running_server
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_llama_dir)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    llm = LLM(str(path), device="cpu", block_size=16, num_blocks=32)
+    ids = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    with running_server(path, tmp_path) as srv:
+        r = httpx.post(srv.api + "/chat/completions", timeout=60, json={
+            "model": srv.model, "messages": chat, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        assert body["choices"][0]["message"]["content"] == want.text
+    (tmp_path / "two").mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / "two" / name).write_bytes(path.read_bytes())
+    bad = subprocess.run([sys.executable, "-m", "radixkv.cli", "serve", str(tmp_path / "two")], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "holds 2 .gguf files" in bad.stderr

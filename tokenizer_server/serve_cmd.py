@@ -1,9 +1,11 @@
-"""`radixkv serve MODEL_DIR`: the front process (uvicorn + FastAPI) and its engine worker.
+"""`radixkv serve MODEL`: the front process (uvicorn + FastAPI) and its engine worker.
+
+MODEL: an HF folder, a .gguf file, or a folder holding one .gguf (radixkv/models/source.py).
 
 Start-up order: load the tokenizer, start the worker and wait for its hello (model
 loaded, KV pool allocated), bind the port, print where it listens and the pool size.
 Exit codes: 0 after SIGINT/SIGTERM, 1 when the worker died (without
---restart-worker) or could not start, 2 for a bad model folder.
+--restart-worker) or could not start, 2 for a bad MODEL.
 
 Shutdown (SIGINT/SIGTERM) drains: the listening socket closes and new requests on open
 connections get 503, in-flight requests have --shutdown-timeout seconds to finish, and
@@ -26,7 +28,9 @@ ENGINE_OPTIONS = {
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model_dir", help="HF model folder (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("model_dir", metavar="MODEL",
+                   help="HF model folder (config.json, *.safetensors, tokenizer files), a .gguf file, "
+                        "or a folder holding one .gguf")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -79,16 +83,21 @@ def main(args) -> int:
     import signal
 
     import uvicorn
-    from transformers import AutoTokenizer
 
+    from radixkv.models.source import tokenizer_source
     from tokenizer_server.app import build_app
     from tokenizer_server.launcher import WorkerSupervisor
     from tokenizer_server.metrics import ServerMetrics
     from tokenizer_server.serving_common import ServerState
     from tokenizer_server.tenants import TenantSalts
 
-    if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
-        print(f"radixkv serve: {args.model_dir!r} is not a model folder (no config.json)", file=sys.stderr)
+    try:
+        source = tokenizer_source(args.model_dir)
+    except ValueError as e:
+        print(f"radixkv serve: {e}", file=sys.stderr)
+        return 2
+    if source is None:
+        print(f"radixkv serve: {args.model_dir!r} has no tokenizer files", file=sys.stderr)
         return 2
     if args.torch_threads is not None and args.torch_threads < 1:
         print(f"radixkv serve: --torch-threads must be >= 1, got {args.torch_threads}", file=sys.stderr)
@@ -103,7 +112,11 @@ def main(args) -> int:
     secret = args.salt_secret or os.environ.get("RADIXKV_SALT_SECRET")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("radixkv.server")
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
+    try:
+        tokenizer = source.load()
+    except ValueError as e:
+        print(f"radixkv serve: {e}", file=sys.stderr)
+        return 2
     exit_code = 0
 
     def on_fatal(code: int) -> None:
