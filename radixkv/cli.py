@@ -15,7 +15,8 @@ SUBCOMMANDS = {
     "serve": ("tokenizer_server.serve_cmd", "start the OpenAI-compatible server (front + engine worker)"),
     "generate": ("radixkv.engine.generate_cmd", "generate completions offline for prompts given on the command line"),
     "bench": ("radixkv.bench_cmd", "run a benchmark: memory accounting, cache ops, throughput, serving load"),
-    "demo": ("radixkv.demo", "build the tiny model, serve it, send shared-prompt requests, print cache figures"),
+    "demo": ("radixkv.demo", "serve SmolLM2-135M (--tiny: a random tiny model), send shared-prompt chats, "
+                             "print the answers and the cache figures"),
     "make-tiny-model": ("radixkv.models.tiny_cmd", "write a tiny random-weight HF model folder (deterministic)"),
 }
 
