@@ -29,6 +29,12 @@ except ImportError:
 
 
 def pytest_collection_modifyitems(config, items):
+    # slow tests run only when asked for by marker (-m slow, -m "slow or not slow")
+    if "slow" not in (config.getoption("markexpr") or ""):
+        skip_slow = pytest.mark.skip(reason="slow: select it with -m slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if _HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
