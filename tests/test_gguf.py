@@ -319,32 +319,66 @@ def _unpermuted(name, a, cfg):
     return a.reshape(heads, a.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(a.shape)
 
 
+def _save_hf(folder, config, tiny_dir):
+    """A random HF model of `config` with the tiny models' tokenizer (2048 tokens). HF's init
+    (std 0.02) gives near-uniform logits: weights are spread so greedy choices are clear."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(25)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(str(folder))
+    for f in ("tokenizer.json", "chat_template.jinja"):
+        (folder / f).write_text((tiny_dir / f).read_text())
+    return folder
+
+
+SMALL_HF = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_qwen2_biases_and_mistral_as_llama(family, tiny_llama_dir, tmp_path):
+    """Qwen2 files carry q/k/v biases, unpermuted; Mistral's are written as architecture llama,
+    q/k permuted (biases would follow their rows)."""
+    from transformers import MistralConfig, Qwen2Config
+
+    if family == "qwen2":
+        config, arch, permute = Qwen2Config(**SMALL_HF, tie_word_embeddings=False), "qwen2", False
+    else:
+        config, arch, permute = MistralConfig(**SMALL_HF, sliding_window=None), "llama", True
+    folder = _save_hf(tmp_path / family, config, tiny_llama_dir)
+    path = tmp_path / f"{family}.gguf"
+    write_gguf(path, folder, arch=arch, permute=permute)
+    cfg, params = _params(path)
+    _, ref = _params(folder)
+    assert cfg.qkv_bias == (family == "qwen2") and not cfg.o_bias
+    for name in ref:
+        assert torch.equal(params[name], ref[name]), name
+    llm = LLM(str(path), device="cpu", block_size=4, num_blocks=64)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(folder, PROMPTS, 8)
+
+
 def test_llama3_rope_factors_from_the_tensor(tiny_llama_dir, tmp_path):
     """Llama 3 files carry rope scaling as per-frequency divisors (rope_freqs): same inverse
     frequencies as HF's llama3 rope, and greedy output equals HF's on the folder."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from radixkv.models.rope import rope_inv_freq
 
-    tiny_dir = tiny_llama_dir
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-    hf_cfg = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rope_parameters=rope, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    folder = tmp_path / "llama3"
-    model = AutoModelForCausalLM.from_config(hf_cfg).float()
-    with torch.no_grad():  # HF's init (std 0.02) gives near-uniform logits; spread them for greedy
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(25)
-    model.save_pretrained(str(folder))
+    hf_cfg = LlamaConfig(**SMALL_HF, rope_parameters=rope, tie_word_embeddings=True)
+    folder = _save_hf(tmp_path / "llama3", hf_cfg, tiny_llama_dir)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
     plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))
-    for f in ("tokenizer.json", "chat_template.jinja"):  # the tiny models' tokenizer: 2048 tokens
-        (folder / f).write_text((tiny_dir / f).read_text())
     path = tmp_path / "llama3.gguf"
     write_gguf(path, folder, rope_factors=(plain / scaled).numpy(), skip=("lm_head.weight",))
     cfg = load_model_config(str(path))

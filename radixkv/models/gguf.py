@@ -176,7 +176,7 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
     eos = [_get(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
     layer0 = "blk.0."
     return ModelConfig(
-        family=arch,
+        family=ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=_one_value(need("feed_forward_length"), "feed_forward_length", path),
