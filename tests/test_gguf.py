@@ -458,11 +458,16 @@ def test_generate_command_on_a_gguf(tiny_llama_dir, tmp_path, capsys):
 
     path = tmp_path / "tiny.gguf"
     write_gguf(path, tiny_llama_dir)
-    code = main(["generate", str(path), "--prompt", "Hello", "--max-tokens", "4", "--ignore-eos",
-                 "--device", "cpu", "--num-blocks", "32", "--json"])
-    assert code == 0
+    common = ["generate", str(path), "--prompt", "Hello", "--max-tokens", "4", "--ignore-eos", "--device", "cpu",
+              "--num-blocks", "32", "--json"]
+    assert main(common) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["outputs"][0]["token_ids"]) == 4
+    assert main(common + ["--chat"]) == 0  # the file's chat template around the prompt
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = load_tokenizer(str(path)).apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                                         add_generation_prompt=True)
+    assert out["prompt"] == "Hello" and out["prompt_token_ids"] == load_tokenizer(str(path))(want)["input_ids"]
 
 
 def test_k_quant_encoders_agree_with_the_librarys_decoder():

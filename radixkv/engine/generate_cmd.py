@@ -14,6 +14,8 @@ def add_arguments(p) -> None:
                    help="HF model folder (config.json, *.safetensors, tokenizer files), a .gguf file, "
                         "or a folder holding one .gguf")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the model's chat template")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--min-tokens", type=int, default=0)
@@ -74,14 +76,15 @@ def main(args) -> int:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
                   enforce_eager=args.enforce_eager)
-        outputs = llm.generate(args.prompt, params)
+        prompts = _chat_prompts(llm.tokenizer, args.prompt) if args.chat else args.prompt
+        outputs = llm.generate(prompts, params)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for out in outputs:
+    for text, out in zip(args.prompt, outputs):
         if args.json:
             print(json.dumps({
-                "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
+                "prompt": text, "prompt_token_ids": out.prompt_token_ids,
                 "num_cached_tokens": out.num_cached_tokens,
                 "num_computed_prompt_tokens": out.num_computed_prompt_tokens,
                 "blocks_held": out.blocks_held, "blocks_without_sharing": out.blocks_without_sharing,
@@ -94,7 +97,7 @@ def main(args) -> int:
             continue
         for c in out.outputs:
             tag = f" [{c.index}]" if len(out.outputs) > 1 else ""
-            print(f"--- prompt{tag}: {out.prompt!r} ({len(out.prompt_token_ids)} tokens, "
+            print(f"--- prompt{tag}: {text!r} ({len(out.prompt_token_ids)} tokens, "
                   f"{out.num_cached_tokens} cached)")
             print(f"{c.text}\n--- finish: {c.finish_reason}, {len(c.token_ids)} tokens, "
                   f"cumulative logprob {c.cumulative_logprob:.3f}")
@@ -104,3 +107,11 @@ def main(args) -> int:
     print(f"steps {m['steps']}, preemptions {m['preemptions']}, cached prompt tokens {m['cached_prompt_tokens']}",
           file=sys.stderr)
     return 0
+
+
+def _chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of a one-message chat per text; the template writes the special tokens itself."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat: the model has no chat template")
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for t in texts]
