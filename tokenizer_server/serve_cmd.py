@@ -78,6 +78,7 @@ def engine_args_from(args) -> dict:
 
 def main(args) -> int:
     import asyncio
+    import gc
     import logging
     import os
     import signal
@@ -168,6 +169,11 @@ def main(args) -> int:
             await super().shutdown(sockets)
 
     app = build_app(state, on_shutdown=shutdown, protect_metrics=args.protect_metrics)
+    # Leave what start-up loaded out of every later garbage collection: with transformers (and
+    # torch through it) imported, the front tracks ~320k objects and a full collection held the
+    # event loop ~200 ms, every few seconds under 20 streams; frozen, none took 50 ms.
+    gc.collect()
+    gc.freeze()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, lifespan="on")
     server = Server(config)

@@ -5,7 +5,6 @@ server-sent events."""
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 import uuid
@@ -37,7 +36,6 @@ class ServerState:
 
     def __post_init__(self):
         self.async_tokenizer = AsyncTokenizer(self.tokenizer)
-        freeze_startup_heap()  # the state is built once, at start-up, after the tokenizer loaded
 
     @property
     def model_info(self) -> P.WorkerReady:
@@ -46,14 +44,6 @@ class ServerState:
             why = self.supervisor.client.down_reason
             raise APIError(503, f"the engine is unavailable: {why}", code="engine_unavailable")
         return ready
-
-
-def freeze_startup_heap() -> None:
-    """Leave what start-up loaded out of every later garbage collection. With transformers (and
-    torch through it) imported, the front tracks ~320k objects and a full collection takes ~200 ms
-    of the event loop; under 20 streams one ran every few seconds. Frozen, none took 50 ms."""
-    gc.collect()
-    gc.freeze()
 
 
 def new_id(prefix: str) -> str:
