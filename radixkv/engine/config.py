@@ -29,7 +29,7 @@ class EngineConfig:
     hash_algo: str = "sha256"
     hash_seed: int = 0
     enable_cache_events: bool = False
-    attention_backend: str = "auto"  # auto: "triton" on cuda, "torch" on cpu
+    attention_backend: str = "auto"  # auto: "triton" on cuda, "torch" on cpu; "reference": the per-sequence oracle
     enforce_eager: bool = False  # no CUDA graphs
     max_cuda_graph_batch: int = 256  # decode batches up to this size replay captured graphs
     # Decode rows that share cached prefix blocks read them once per step for the whole group
@@ -85,8 +85,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         if self.hash_algo not in ("sha256", "xxh3_128"):
             raise ValueError(f"hash_algo must be 'sha256' or 'xxh3_128', got {self.hash_algo!r}")
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"attention_backend must be 'auto', 'triton' or 'torch', got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "triton", "torch", "reference"):
+            raise ValueError("attention_backend must be 'auto', 'triton', 'torch' or 'reference', "
+                             f"got {self.attention_backend!r}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -1,10 +1,13 @@
 """Paged attention as the decoder sees it: write this step's K/V into their slots, then attend
 over each sequence's block table (cached prefix + new tokens, causal).
 
-The kernels package supplies both backends with one signature: Triton on CUDA, the pure-torch
-reference elsewhere. A decode batch whose rows share cached prefix blocks may come with
-prefix groups (kernels.shared_prefix.PrefixGroups): then the shared blocks are read once per
-group instead of once per row (shared-prefix / cascade attention).
+The kernels package supplies the backends with one signature: Triton on CUDA; "torch", the
+batched CPU path of kernels/cpu_attention.py (its host-side plan made by the first layer of a
+step and kept in the metadata for the others); "reference", the per-sequence torch oracle.
+A decode batch whose rows share cached prefix blocks may come with prefix groups
+(kernels.shared_prefix.PrefixGroups, Triton): then the shared blocks are read once per group
+instead of once per row (shared-prefix / cascade attention); the torch backend finds such
+rows in the block tables itself.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "torch", "reference")
 
 
 @dataclass
@@ -26,6 +29,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     prefix_groups: object | None = None  # PrefixGroups of a decode batch (one token per row), on the device
     max_private_len: int | None = None  # host bound on seq_lens - prefix_groups.private_start (None: any)
+    plan: object | None = None  # the torch backend's CpuAttentionPlan of this step, made by its first layer
 
 
 def shared_prefix_op(backend: str):
@@ -34,7 +38,7 @@ def shared_prefix_op(backend: str):
         from kernels.shared_prefix import shared_prefix_decode
 
         return shared_prefix_decode
-    if backend == "torch":
+    if backend in ("torch", "reference"):
         from kernels.shared_prefix import shared_prefix_decode_ref
 
         return shared_prefix_decode_ref
@@ -48,6 +52,10 @@ def attention_ops(backend: str):
 
         return store_kv, paged_attention
     if backend == "torch":
+        from kernels.cpu_attention import paged_attention_cpu, store_kv_cpu
+
+        return store_kv_cpu, paged_attention_cpu
+    if backend == "reference":
         from kernels.reference import paged_attention_ref, store_kv_ref
 
         return store_kv_ref, paged_attention_ref
@@ -69,6 +77,8 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert self.k_cache is not None, "KV cache not bound to the attention layer"
+        if self.backend == "torch" and meta.prefix_groups is None:
+            return self._forward_planned(q, k, v, meta)
         self.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.prefix_groups is not None:
             assert meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0], "prefix groups: decode only"
@@ -88,3 +98,13 @@ class PagedAttention(nn.Module):
             scale=self.scale,
             max_seqlen_q=meta.max_seqlen_q,
         )
+
+    def _forward_planned(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.plan is None:
+            from kernels.cpu_attention import plan_step
+
+            meta.plan = plan_step(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.block_tables,
+                                  meta.cu_seqlens_q, meta.seq_lens, scale=self.scale, max_seqlen_q=meta.max_seqlen_q)
+        self.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.plan)
+        return self.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                    meta.seq_lens, scale=self.scale, max_seqlen_q=meta.max_seqlen_q, plan=meta.plan)
