@@ -53,7 +53,7 @@ class Load:
             self.results[i] = (200, lines)
 
     async def _run(self) -> None:
-        limits = httpx.Limits(max_connections=self.n + 4)
+        limits = httpx.Limits(max_connections=len(self.results))  # every request on its own connection
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             outcomes = await asyncio.gather(*(self._one(client, i) for i in range(len(self.results))),
                                             return_exceptions=True)
@@ -71,7 +71,7 @@ class Load:
             finished = sum(v for k, v in m.items() if k.startswith("radixkv_requests_total"))
             return m["radixkv_num_requests_running"] + m["radixkv_num_requests_waiting"] + finished
 
-        wait_for(lambda: arrived(self.srv.metrics()) >= total, what=f"{total} requests in flight")
+        wait_for(lambda: arrived(self.srv.metrics()) >= total, timeout=60, what=f"{total} requests in flight")
 
     def wait(self, timeout: float = 120.0) -> list:
         self.thread.join(timeout)
