@@ -16,12 +16,11 @@ copies of q, k, v), and silu(gate) * up is one kernel.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixkv.models.attention import AttentionMetadata, PagedAttention
 from radixkv.models.config import ModelConfig
-from radixkv.models.layers import GatedMLP, Linear, RMSNorm, merged_shards
+from radixkv.models.layers import GatedMLP, Linear, RMSNorm, linear, merged_shards
 from radixkv.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -119,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         out: a [rows, vocab] buffer to write them into (a captured graph's static output)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         if out is None:
-            return F.linear(self.model.norm(hidden), weight)
+            return linear(self.model.norm(hidden), weight)
         return torch.mm(self.model.norm(hidden), weight.t(), out=out)
 
     def attention_layers(self) -> list[PagedAttention]:
