@@ -20,19 +20,26 @@ One layer:
                   one matmul per kv head, then each row's private rest as above, the two
                   softmax parts merged by their maxima and sums (cascade attention)
 
-NOTE (the grouping): on a 2-core EPYC, 1 thread (`python -m benchmarks.cpu_attention`), one
-call for a whole decode batch padded to its longest row was the slowest variant (32 decodes
-of 100-1,500 tokens: 586 ms per 30 layers, one row per call 359 ms): the batch's gathered K/V
-(tens of MB) goes out to DRAM and back, while one row's stays in L2. Groups of up to 2,048
-padded tokens cost the same there (361 ms) and batch short rows, where the per-call overhead
-dominates (32 decodes of 20-100 tokens: 40 ms against 72 ms one row per call).
+NOTE (the grouping): on a 2-core EPYC, 1 thread (`python -m benchmarks.cpu_attention`, ms per
+step of 30 layers), one call for a whole decode batch padded to its longest row was the slowest
+variant for ragged contexts (32 decodes of 100-1,500 tokens: 736 ms, one row per call 461 ms):
+the batch's gathered K/V (tens of MB) goes out to DRAM and back, while one row's stays in L2.
+Groups of up to 2,048 padded tokens keep that locality (420 ms) and batch short rows, where the
+per-call overhead dominates (32 decodes of 20-100 tokens: 34 ms, one row per call 68 ms).
 
 NOTE (shared prefixes): a decode row is memory-bound (3 query heads per kv head here), so 32
 rows after a 704-token system prompt read it 32 times; read once, their 96 queries per kv head
-make one matmul worth running (172 ms -> 72 ms per step in the benchmark above). A prefix is
+make one matmul worth running (201 ms -> 84 ms per step in the benchmark above). A prefix is
 read once only when that saves at least `min_shared_tokens` KV tokens per layer ((rows - 1) x
 shared length): 2 rows sharing 512 tokens or 8 sharing 128 were slower with it, 4 sharing 512
-faster. Prefill chunks keep the plain path: a step holds few of them.
+or 16 sharing 128 faster. Prefill chunks keep the plain path: a step holds few of them.
+
+NOTE (threads): a layer whose work is small (plan.work < ONE_THREAD_WORK: with 3 kv heads,
+decodes of up to ~32 rows x 1,300 tokens) runs on one thread. Its ops take microseconds, and
+each of them (bmm, softmax, reductions) opens an OpenMP region over the intra-op threads: on a
+loaded 2-core machine, where the second thread's core is busy with other work, every region
+waited for it, 4-5 ms per bmm or softmax in a profiled decode step. `radixkv bench cpu` at 2
+threads there: one chat 26.0 s before this, 2.3 s after (HF generate 11.1 s and 10.4 s).
 
 NOTE (the workspace): gathers go into one buffer per (device, dtype), grown when a step needs
 more and then kept: a fresh tensor of tens of MB per call is mmapped and page-faulted by glibc
@@ -51,6 +58,7 @@ from kernels.checks import check_attention, check_store_kv
 
 GROUP_TOKENS = 2048  # padded KV tokens per decode group (see the NOTE above)
 MIN_SHARED_TOKENS = 1024  # KV tokens per layer a shared prefix must save to be read once
+ONE_THREAD_WORK = 1 << 17  # a layer smaller than this (plan.work) runs on one thread (NOTE above)
 
 
 @dataclass
@@ -95,6 +103,7 @@ class CpuAttentionPlan:
     slots: torch.Tensor | None = None  # slots written by store_kv_cpu (all >= 0)
     keep: torch.Tensor | None = None   # rows of key/value they come from; None: every row
     max_gather: int = 0                # rows of the largest gather (tokens x kv heads)
+    work: int = 0                      # (query token, KV token) pairs per kv head: the layer's size
 
 
 def _cut(order: np.ndarray, lens: np.ndarray, budget: int):
@@ -168,6 +177,7 @@ def plan_attention(block_tables, cu_seqlens_q, seq_lens, *, block_size: int, kv_
         plan.groups.append(_Group(sel, tensor(index.reshape(-1)), len(rows), width, pad, cascade,
                                   None if members is None else tensor(members)))
         plan.max_gather = max(plan.max_gather, index.size)
+        plan.work += index.size
 
     dec = np.flatnonzero(n_q == 1)
     shared = np.zeros(len(n_q), bool)
@@ -176,6 +186,7 @@ def plan_attention(block_tables, cu_seqlens_q, seq_lens, *, block_size: int, kv_
         index = _cache_rows(tables[members[:1]], 0, np.array([s * B]), s * B, B, kv_heads)
         plan.cascades.append(_Cascade(tensor(cu[members]), tensor(index.reshape(-1)), s * B))
         plan.max_gather = max(plan.max_gather, index.size)
+        plan.work += len(members) * index.size
         shared[members] = True
         rest = lens[members] - s * B
         for part in _cut(np.argsort(-rest, kind="stable"), rest, group_tokens):
@@ -193,6 +204,7 @@ def plan_attention(block_tables, cu_seqlens_q, seq_lens, *, block_size: int, kv_
         index = _cache_rows(tables[i: i + 1], 0, np.array([ctx]), ctx, B, kv_heads)
         plan.chunks.append(_Chunk(int(cu[i]), int(cu[i + 1]), ctx, tensor(index.reshape(-1)), mask))
         plan.max_gather = max(plan.max_gather, index.size)
+        plan.work += n * index.size
     if slot_mapping is not None:
         plan.slots, plan.keep = _slots(slot_mapping)
     return plan
@@ -268,6 +280,18 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_len
                                    max_seqlen_q=max_seqlen_q, out=out)
     if out is None:
         out = torch.empty_like(q)
+    threads = torch.get_num_threads()
+    if threads == 1 or plan.work >= ONE_THREAD_WORK:
+        return _attend(q, k_cache, v_cache, scale, out, plan)
+    torch.set_num_threads(1)
+    try:
+        return _attend(q, k_cache, v_cache, scale, out, plan)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _attend(q, k_cache, v_cache, scale, out, plan: CpuAttentionPlan):
+    kv_heads = k_cache.shape[2]
     num_heads, d = q.shape[1], q.shape[2]
     group = num_heads // kv_heads
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # the matmul paths' arithmetic

@@ -137,6 +137,25 @@ def test_plan_built_inside_when_not_given_and_checked_when_given():
         paged_attention_cpu(*case.args(), scale=case.scale, max_seqlen_q=case.max_seqlen_q, plan=plan)
 
 
+def test_small_layers_run_on_one_thread_and_restore_the_count(monkeypatch):
+    import kernels.cpu_attention as ca
+
+    case = make_case([1, 1, 3], [40, 9, 12], block_size=8, kv_heads=2, group=2, head_dim=16, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    seen = []
+    real = ca._attend
+    monkeypatch.setattr(ca, "_attend", lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+    torch.set_num_threads(2)
+    try:
+        _check(case, torch.float32, "one thread")
+        assert seen == [1] and torch.get_num_threads() == 2
+        monkeypatch.setattr(ca, "ONE_THREAD_WORK", 0)  # every layer "large": the threads stay
+        _check(case, torch.float32, "two threads")
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bad_arguments_name_the_argument():
     case = make_case([2, 1], [5, 9], block_size=8, kv_heads=2, group=2, head_dim=16, dtype=torch.float32)
     q, kc, vc, bt, cu, sl = case.args()
