@@ -236,3 +236,27 @@ def test_engine_plans_once_per_step_and_matches_the_reference_backend(tiny_llama
             assert 0 < len(plans) <= steps  # one plan per step, not one per layer
             assert any(p.cascades for p in plans)
     assert got["torch"] == got["reference"]
+
+
+def test_small_cpu_steps_run_on_one_thread(tiny_llama_dir):
+    """A decode of a few rows runs on one intra-op thread (model_runner's NOTE); a prefill keeps
+    the caller's threads, and the count is restored after every step."""
+    from radixkv.engine.config import EngineConfig
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.model_runner import SMALL_STEP_TOKENS
+    from radixkv.engine.sampling_params import SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        e = Engine(EngineConfig(model_dir=str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=64))
+        model, seen = e.runner.model, []
+        forward = model.forward
+        model.forward = lambda ids, *a: seen.append((ids.shape[0], torch.get_num_threads())) or forward(ids, *a)
+        e.add_request("r", list(range(3, 3 + 2 * SMALL_STEP_TOKENS)), SamplingParams(temperature=0.0, max_tokens=4))
+        while e.has_unfinished_requests():
+            e.step()
+            assert torch.get_num_threads() == 2
+        assert seen[0] == (2 * SMALL_STEP_TOKENS, 2) and seen[1:] == [(1, 1)] * 3
+    finally:
+        torch.set_num_threads(threads)

@@ -26,6 +26,12 @@ logger = logging.getLogger("radixkv.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GRAPH_POOL_MARGIN = 512 << 20  # bytes kept free for CUDA graph pools and allocator slack
+# NOTE: a CPU step of at most this many tokens (a decode of a few sequences) runs on one intra-op
+# thread. Its ops take microseconds to a fraction of a millisecond, and every OpenMP region among
+# them waits for the second thread: on a 2-core machine at a load average of 3, `python -m
+# benchmarks.cpu_linear --threads 2` took 36-860 ms per step for one row, against 35-38 ms with
+# --threads 1. An idle machine gives up its second core for these steps.
+SMALL_STEP_TOKENS = 4
 
 
 def resolve_dtype(name: str, model_dtype: str, device: str) -> torch.dtype:
@@ -191,6 +197,16 @@ class ModelRunner:
             if len(batch.sample_seqs) == len(batch.seq_lens):  # every decode row samples: rows in order
                 return batch, logits
             return batch, logits[self._tensor(batch.sample_rows)] if len(batch.sample_seqs) else None
+        threads = torch.get_num_threads()
+        if self.device.type != "cpu" or threads == 1 or len(batch.input_ids) > SMALL_STEP_TOKENS:
+            return batch, self._forward(batch, groups, dev_groups)
+        torch.set_num_threads(1)
+        try:
+            return batch, self._forward(batch, groups, dev_groups)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _forward(self, batch: Batch, groups, dev_groups) -> torch.Tensor | None:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(batch.slot_mapping),
             block_tables=self._tensor(batch.block_tables),
@@ -203,5 +219,5 @@ class ModelRunner:
             meta.max_private_len = int((batch.seq_lens - groups.private_start.numpy()).max())
         hidden = self.model(self._tensor(batch.input_ids), self._tensor(batch.positions), meta)
         if not batch.sample_seqs:
-            return batch, None
-        return batch, self.model.compute_logits(hidden[self._tensor(batch.sample_rows)])
+            return None
+        return self.model.compute_logits(hidden[self._tensor(batch.sample_rows)])
