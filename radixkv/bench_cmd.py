@@ -16,6 +16,7 @@ BENCHMARKS = {
     "kernels": ("benchmarks.kernels", "paged attention kernels vs contiguous SDPA (GPU)"),
     "throughput": ("benchmarks.throughput", "engine throughput vs HF transformers on one GPU"),
     "graph-keys": ("benchmarks.graph_keys", "shared-prefix decode-graph shapes a workload meets while served (CPU)"),
+    "cpu": ("benchmarks.cpu", "radixkv vs HF transformers generate on the CPU: one chat, chats after a shared system prompt"),
     "serve": ("benchmarks.serve", "drive a running server with a workload: TTFT, TPOT, latency, hit rate"),
 }
 REPO = Path(__file__).resolve().parent.parent
