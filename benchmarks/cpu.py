@@ -5,8 +5,9 @@
 (b) --chats (32) chats after one shared system prompt (throughput): HF as its users batch them,
     one left-padded batch through generate; radixkv through its offline LLM (prefix caching:
     the system prompt is computed once; continuous batching).
-Both sides fp32 with the same torch.set_num_threads (--threads); greedy, stopping at the
-model's end-of-turn tokens (HF's generate with its defaults, use_cache=True). Ratios are
+Both sides fp32 with the same torch.set_num_threads (--threads), both models loaded, each
+workload run by HF and then radixkv (a change in the machine's load hits both); greedy, stopping
+at the model's end-of-turn tokens (HF's generate with its defaults, use_cache=True). Ratios are
 radixkv / HF output tokens per second from this one run; the answers' token ids are compared.
 
 --model: a .gguf file (HF dequantizes it itself, ~35 s for SmolLM2-135M; radixkv loads it
@@ -269,17 +270,19 @@ def _run(args) -> int:
     workloads = [("one_chat", one), ("shared_chats", shared)]
     workloads = [(n, p) for n, p in workloads if n not in args.skip]
 
-    run_hf(hf, warm, 4, pad_id, stops)  # first-call costs outside the timing
-    hf_rows = {name: run_hf(hf, prompts, args.answer_tokens, pad_id, stops) for name, prompts in workloads}
-    del hf
-    gc.collect()
-
     t = time.perf_counter()
     engine_args = dict(device="cpu", dtype="float32", max_num_seqs=max(64, args.chats), cpu_kv_cache_gib=1.0)
     llm = LLM(model, **{**engine_args, **json.loads(args.engine_args)})
     ours_load_s = time.perf_counter() - t
+    run_hf(hf, warm, 4, pad_id, stops)  # first-call costs outside the timing
     run_radixkv(llm, warm, 4)
-    ours_rows = {name: run_radixkv(llm, prompts, args.answer_tokens) for name, prompts in workloads}
+    hf_rows, ours_rows = {}, {}
+    for name, prompts in workloads:  # side by side, so a change in the machine's load hits both
+        hf_rows[name] = run_hf(hf, prompts, args.answer_tokens, pad_id, stops)
+        gc.collect()
+        ours_rows[name] = run_radixkv(llm, prompts, args.answer_tokens)
+        gc.collect()
+    del hf, llm
 
     rows = []
     for name, prompts in workloads:
@@ -310,8 +313,8 @@ def _run(args) -> int:
                      f"| {r['answers_equal']}/{r['chats']} |")
     table = "\n".join(lines)
     (out_dir / "cpu.md").write_text(
-        f"# CPU: radixkv vs HF transformers generate\n\n{date}, `{cmd}`; {Path(model).name}, fp32, {threads} torch "
-        f"threads on {os.cpu_count()} cores (load average {load[0]:.1f} before, {load[1]:.1f} after), torch "
+        f"# CPU: radixkv vs HF transformers generate\n\n{date}, `{cmd}`; {Path(model).name}, fp32, torch threads: {threads} "
+        f"on {os.cpu_count()} cores (load average {load[0]:.1f} before, {load[1]:.1f} after), torch "
         f"{torch.__version__}; answers of up to {args.answer_tokens} greedy tokens. Model load: HF {hf_load_s:.1f} s, "
         f"radixkv {ours_load_s:.1f} s (not in the timings).\n\n{table}\n")
     if not args.no_plot and rows:

@@ -37,7 +37,7 @@ def main(args) -> int:
         return torch.mm(w, xx.t())[:, : x.shape[0]].t().contiguous()
 
     fns = {"F.linear": F.linear, "W x^T": transposed, "layers.linear": linear}
-    print(f"| rows | " + " | ".join(f"{k} (ms/step)" for k in fns) + " |")
+    print("| rows | " + " | ".join(f"{k} (ms/step)" for k in fns) + " |")
     print("|---:|" + "---:|" * len(fns))
     for rows in args.rows:
         xs = {i: torch.randn(rows, i, generator=g) for i in {i for _, i in SHAPES}}
