@@ -18,6 +18,7 @@ def test_cache_ops_small_trace(tmp_path):
     assert res["evicted_blocks"] > 0 and res["ops"]["evict"]["calls"] == res["evicted_blocks"]
     assert res["ops"]["reserve"]["calls"] == 24 * (1 + 24)  # prompt + one per output token
     assert "Whole trace" in (tmp_path / "cache_ops_chunk1.md").read_text()
+    assert res["phases"]["lookup_from_array"]["calls"] == res["phases"]["lookup"]["calls"] == 24
 
 
 def test_cache_ops_peer_side_by_side(tmp_path):

@@ -1,6 +1,7 @@
 """Block keys: the documented definition, determinism across processes, namespaces, errors."""
 
 import hashlib
+from array import array
 import struct
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 import xxhash
 
 from radixkv.cache import BlockHasher, KVCacheManager, extra_keys, prompt_block_keys
-from radixkv.cache.hashing import le_bytes, tokens_to_array
+from radixkv.cache.hashing import TOKEN_TYPECODE, le_bytes, tokens_to_array
 
 ALGOS = {"sha256": lambda d: hashlib.sha256(d).digest(), "xxh3_128": xxhash.xxh3_128_digest}
 
@@ -123,3 +124,14 @@ def test_bad_hasher_settings():
         extra_keys(adapter_id=1.5)
     with pytest.raises(ValueError, match="media"):
         extra_keys(media=[("h", -1)])
+
+
+def test_uint32_array_tokens_are_copied_not_shared():
+    src = array(TOKEN_TYPECODE, [7, 8, 9])
+    got = tokens_to_array(src)
+    assert got == src and got is not src
+    src[0] = 1  # the caller may reuse its buffer
+    assert list(got) == [7, 8, 9]
+    assert list(tokens_to_array(array("q", [1, 2]))) == [1, 2]  # another typecode is converted
+    with pytest.raises(ValueError, match=r"token_ids\[0\]"):
+        tokens_to_array(array("q", [-1]))
