@@ -274,7 +274,7 @@ def test_generate_command_beam_search(tiny_llama_dir, capsys):
     import argparse
     import json
 
-    from radixkv.engine import generate_cmd
+    from radixkv.cli import generate as generate_cmd
 
     p = argparse.ArgumentParser()
     generate_cmd.add_arguments(p)

@@ -69,7 +69,7 @@ def test_warmup_steps_write_nothing_to_the_cache(tiny_llama_dir):
 def test_generate_command(tiny_llama_dir, capsys):
     import argparse
 
-    from radixkv.engine import generate_cmd
+    from radixkv.cli import generate as generate_cmd
 
     p = argparse.ArgumentParser()
     generate_cmd.add_arguments(p)
@@ -84,5 +84,5 @@ def test_generate_command(tiny_llama_dir, capsys):
 
 
 def test_generate_command_imports_no_torch():
-    code = "import sys, radixkv.engine.generate_cmd; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, radixkv.cli.generate; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

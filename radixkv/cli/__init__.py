@@ -13,7 +13,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "serve": ("tokenizer_server.serve_cmd", "start the OpenAI-compatible server (front + engine worker)"),
-    "generate": ("radixkv.engine.generate_cmd", "generate completions offline for prompts given on the command line"),
+    "generate": ("radixkv.cli.generate", "generate completions offline for prompts given on the command line"),
     "bench": ("radixkv.bench_cmd", "run a benchmark: memory accounting, cache ops, throughput, serving load"),
     "demo": ("radixkv.demo", "serve SmolLM2-135M (--tiny: a random tiny model), send shared-prompt chats, "
                              "print the answers and the cache figures"),
