@@ -8,7 +8,6 @@ Each subcommand lives in its own module exposing `add_arguments(parser)` and
 import argparse
 import importlib
 import importlib.util
-import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
@@ -38,6 +37,3 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     return int(args._main(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
