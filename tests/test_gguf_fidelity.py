@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from radixkv.demo import SYSTEM_PROMPT
+from radixkv.cli.demo import SYSTEM_PROMPT
 from radixkv.engine.llm import LLM
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.models.smollm2 import INSTALL, smollm2_gguf

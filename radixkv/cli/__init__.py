@@ -11,12 +11,12 @@ import importlib.util
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
-    "serve": ("tokenizer_server.serve_cmd", "start the OpenAI-compatible server (front + engine worker)"),
+    "serve": ("radixkv.cli.serve", "start the OpenAI-compatible server (front + engine worker)"),
     "generate": ("radixkv.cli.generate", "generate completions offline for prompts given on the command line"),
-    "bench": ("radixkv.bench_cmd", "run a benchmark: memory accounting, cache ops, throughput, serving load"),
-    "demo": ("radixkv.demo", "serve SmolLM2-135M (--tiny: a random tiny model), send shared-prompt chats, "
-                             "print the answers and the cache figures"),
-    "make-tiny-model": ("radixkv.models.tiny_cmd", "write a tiny random-weight HF model folder (deterministic)"),
+    "bench": ("radixkv.cli.bench", "run a benchmark: memory accounting, cache ops, throughput, serving load"),
+    "demo": ("radixkv.cli.demo", "serve SmolLM2-135M (--tiny: a random tiny model), send shared-prompt chats, "
+                                 "print the answers and the cache figures"),
+    "make-tiny-model": ("radixkv.cli.make_tiny_model", "write a tiny random-weight HF model folder (deterministic)"),
 }
 
 

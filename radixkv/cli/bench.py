@@ -1,7 +1,9 @@
 """`radixkv bench NAME ...`: runs a benchmark from the repository's benchmarks/ folder.
 
 Benchmarks are scripts that sit beside the package (not installed with it); each module
-exposes add_arguments(parser) and main(args), like the other subcommands.
+exposes add_arguments(parser) and main(args), like the other subcommands. Each writes its
+files to --out, by default a new temporary folder (benchmarks/out_dir.py), never into the
+committed benchmarks/results/ unless given `--out benchmarks/results`.
 """
 
 import argparse
@@ -14,12 +16,17 @@ BENCHMARKS = {
     "sharing": ("benchmarks.sharing", "memory saved by parallel sampling and beam search, measured in the engine (CPU)"),
     "cache-ops": ("benchmarks.cache_ops", "cache manager operations per second on a shared-prompt trace (CPU)"),
     "kernels": ("benchmarks.kernels", "paged attention kernels vs contiguous SDPA (GPU)"),
+    "shared-prefix": ("benchmarks.shared_prefix", "shared-prefix (cascade) decode attention vs the plain paged kernel (GPU)"),
+    "profile-engine": ("benchmarks.profile_engine", "where a GPU engine step's time goes, shared-prompt workload (GPU)"),
+    "overhead": ("benchmarks.overhead", "host CPU time per engine step around the forward, full decode batch (CPU)"),
+    "cpu-attention": ("benchmarks.cpu_attention", "paged attention variants on the CPU at decode sizes"),
+    "cpu-linear": ("benchmarks.cpu_linear", "linear layers on the CPU at decode sizes, SmolLM2-135M's shapes"),
     "throughput": ("benchmarks.throughput", "engine throughput vs HF transformers on one GPU"),
     "graph-keys": ("benchmarks.graph_keys", "shared-prefix decode-graph shapes a workload meets while served (CPU)"),
     "cpu": ("benchmarks.cpu", "radixkv vs HF transformers generate on the CPU: one chat, chats after a shared system prompt"),
     "serve": ("benchmarks.serve", "drive a running server with a workload: TTFT, TPOT, latency, hit rate"),
 }
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # radixkv/cli/bench.py -> the checkout
 
 
 def add_arguments(p) -> None:

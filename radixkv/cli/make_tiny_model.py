@@ -1,6 +1,6 @@
 """`radixkv make-tiny-model DIR`: a tiny random-weight HF model folder."""
 
-from .tiny import ARCHS
+from radixkv.models.tiny import ARCHS
 
 
 def add_arguments(p):
@@ -10,7 +10,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from .tiny import build_tiny_model
+    from radixkv.models.tiny import build_tiny_model
 
     out = build_tiny_model(args.dir, arch=args.arch, seed=args.seed)
     print(f"wrote {args.arch} tiny model to {out}")
