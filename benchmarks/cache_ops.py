@@ -25,8 +25,8 @@ import sys
 import time
 import tracemalloc
 from array import array
-from pathlib import Path
 
+from benchmarks.out_dir import out_dir
 from radixkv.cache import KVCacheManager
 from radixkv.cache.hashing import TOKEN_TYPECODE
 
@@ -274,7 +274,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--no-scaling", action="store_true")
     ap.add_argument("--peer", choices=["vllm"], default=None,
                     help="also drive this peer's cache manager through the trace (pip install '.[peers]')")
-    ap.add_argument("--out", default="benchmarks/results", help="folder for cache_ops.json / cache_ops.md ('' = none)")
+    ap.add_argument("--out", default=None,
+                    help="folder for cache_ops.json / cache_ops.md (default: a new temp folder; '' = none)")
 
 
 def main(args=None) -> int:
@@ -302,13 +303,13 @@ def main(args=None) -> int:
     cmd = prog + "".join(" " + a for a in shown)
     md = to_markdown(res, scaling, cmd, peer)
     print(md)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if args.out != "":
+        out = out_dir(args.out, "cache-ops")
         tag = ("" if args.decode_chunk == 128 else f"_chunk{args.decode_chunk}") + (f"_{args.peer}" if args.peer else "")
         (out / f"cache_ops{tag}.json").write_text(
             json.dumps({"args": vars(args), "trace": res, "peer": peer, "scaling": scaling}, indent=1) + "\n")
         (out / f"cache_ops{tag}.md").write_text(md)
+        print(f"results in {out}/cache_ops{tag}.*")
     return 0
 
 

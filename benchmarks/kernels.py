@@ -2,7 +2,8 @@
 the same K/V laid out contiguously, plus the copy bandwidth and bf16 matmul rate of the
 same run as ceilings.
 
-    python3 benchmarks/kernels.py [--sweep [all|decode|prefill]] [--out-dir benchmarks/results]
+    radixkv bench kernels [--sweep [all|decode|prefill]] [--out DIR]
+    (or python3 benchmarks/kernels.py ...; --out benchmarks/results refreshes the committed results)
 
 One layer, 32 query / 8 kv heads, head dim 128, bf16, block size 16. Decode at batch
 {1, 32, 256} x context {512, 4k, 32k}; prefill of a 2,048-token chunk over a 0 / 8k prefix.
@@ -33,6 +34,7 @@ import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
+from benchmarks.out_dir import OUT_HELP, out_dir  # noqa: E402
 from benchmarks.timing import eager_ms  # noqa: E402
 from kernels import paged_attention  # noqa: E402
 from kernels.attention_config import AttentionConfig, default_config  # noqa: E402
@@ -234,15 +236,21 @@ def to_markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "decode", "prefill"),
                     help="also time alternative tile configs (of one kind of shape)")
-    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--out", "--out-dir", dest="out", default=None, help=OUT_HELP)
     ap.add_argument("--only", choices=["decode", "prefill"], default=None)
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes; on the CPU through Triton's interpreter (checks the script)")
-    args = ap.parse_args(argv)
+
+
+def main(args=None) -> int:
+    """`args`: parsed arguments (radixkv bench kernels), or an argv list, or None (sys.argv)."""
+    if not isinstance(args, argparse.Namespace):
+        ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+        add_arguments(ap)
+        args = ap.parse_args(args)
     global DEV
     DEV = "cuda" if torch.cuda.is_available() else "cpu"
     if DEV == "cpu" and not args.smoke:
@@ -266,14 +274,16 @@ def main(argv=None):
         row = run_shape(kind, batch, ctx, n_q, args.sweep in ("all", kind), gen, res["ceilings"])
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "kernels.json"), "w") as f:
+    out = out_dir(args.out, "kernels")
+    with open(out / "kernels.json", "w") as f:
         json.dump(res, f, indent=1)
     md = to_markdown(res)
-    with open(os.path.join(args.out_dir, "kernels.md"), "w") as f:
+    with open(out / "kernels.md", "w") as f:
         f.write(md)
     print(md)
+    print(f"results in {out}/kernels.*")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -215,20 +215,18 @@ def plot(results: list[MemoryResult], path) -> None:
 def add_arguments(p) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="shrink workload counts and lengths (tests use 0.05)")
     p.add_argument("--max-len", type=int, default=4096, help="contiguous reservation per sequence (model context)")
-    p.add_argument("--out", default="benchmarks/results", help="folder for memory.json / memory.md / memory.png")
+    p.add_argument("--out", default=None, help="folder for memory.json / memory.md / memory.png (default: a new temp folder)")
     p.add_argument("--no-plot", action="store_true")
 
 
 def main(args) -> int:
-    from pathlib import Path
-
+    from benchmarks.out_dir import out_dir
     from benchmarks.workloads import all_workloads
 
     t0 = time.perf_counter()
     results = run_all(all_workloads(scale=args.scale), max_len=args.max_len)
     took = time.perf_counter() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out, "memory")
     table = to_markdown(results)
     (out / "memory.json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
     cmd = f"radixkv bench memory --scale {args.scale} --max-len {args.max_len}"

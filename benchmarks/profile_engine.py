@@ -1,7 +1,7 @@
 """Where a GPU engine step's time goes, and the shared-prompt workload with the plain paged
 kernel and with shared-prefix attention (Llama-3-8B shape, bf16, dummy weights).
 
-    python3 -m benchmarks.profile_engine --out DIR [--budget-s 130] [--requests 256]
+    radixkv bench profile-engine [--out DIR] [--budget-s 130] [--requests 256]
 
 Parts, each guarded (a failure is reported and the next part runs), in order of value, each
 skipped when the time budget is spent:
@@ -11,7 +11,7 @@ skipped when the time budget is spent:
              plain and the shared-prefix graph replays, top CUDA kernels (torch.profiler) of a
              decode step (graph and eager) and of a mixed prefill + decode step
   unfused    the plain workload again with the fused element-wise kernels off (graphs recaptured)
-Writes profile.json and profile.md (and the logs it prints) under --out.
+Writes profile.json and profile.md (and the logs it prints) under --out (default: a new temp folder).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks.out_dir import OUT_HELP
+from benchmarks.out_dir import out_dir as make_out_dir
 from benchmarks.throughput import LLAMA3_8B, make_requests
 
 RESULTS: dict = {}
@@ -316,15 +318,15 @@ def write(out_dir: Path) -> None:
     (out_dir / "profile.log").write_text("\n".join(LOG) + "\n")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+def add_arguments(ap) -> None:
+    ap.add_argument("--out", default=None, help=OUT_HELP)
     ap.add_argument("--budget-s", type=float, default=130.0)
     ap.add_argument("--requests", type=int, default=256)
-    args = ap.parse_args()
+
+
+def main(args) -> int:
     deadline = time.perf_counter() + args.budget_s
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_out_dir(args.out, "profile-engine")
     model_dir = tempfile.mkdtemp(prefix="radixkv-8b-")
     (Path(model_dir) / "config.json").write_text(json.dumps(LLAMA3_8B))
     n = args.requests
@@ -354,8 +356,11 @@ def main() -> int:
         write(out_dir)
     write(out_dir)
     print((out_dir / "profile.md").read_text())
+    print(f"results in {out_dir}/profile.*")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    raise SystemExit(main(ap.parse_args()))

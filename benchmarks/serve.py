@@ -15,7 +15,8 @@ import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
+
+from benchmarks.out_dir import OUT_HELP, out_dir
 
 WORKLOADS = ("shared_chats_short", "shared_chats", "generated_shared_prefix", "multi_turn", "unique")
 
@@ -148,7 +149,7 @@ def add_arguments(p) -> None:
     p.add_argument("--concurrency", type=int, default=0, help="at most this many in flight (0: no limit)")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default=None, help=OUT_HELP)
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -188,8 +189,7 @@ def main(args) -> int:
     summary = summarise(results, seconds, hits, queries)
     summary.update(date=time.strftime("%Y-%m-%d"), workload=args.workload, rate=args.rate,
                    concurrency=args.concurrency, model=model, scale=args.scale)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out, "serve")
     stem = f"serve_{args.workload}"
     (out / f"{stem}.json").write_text(json.dumps({"summary": summary, "requests": [asdict(r) for r in results]},
                                                  indent=1) + "\n")
@@ -204,6 +204,7 @@ def main(args) -> int:
         f"{(summary['server_hit_rate'] or 0):.1%} | {ms['ttft']['p50']:.0f} / {ms['ttft']['p90']:.0f} / {ms['ttft']['p99']:.0f} | "
         f"{ms['tpot']['p50']:.1f} / {ms['tpot']['p90']:.1f} | {ms['latency']['p50']:.0f} / {ms['latency']['p99']:.0f} |\n")
     print(json.dumps(summary, indent=1))
+    print(f"results in {out}/{stem}.*")
     return 0 if summary["failed"] == 0 else 1
 
 

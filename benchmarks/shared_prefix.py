@@ -3,7 +3,8 @@ kernels.shared_prefix against the plain paged kernel on the same paged K/V, torc
 the same K/V laid out contiguously, and the bandwidth floors at the copy bandwidth
 measured in the same run.
 
-    python3 benchmarks/shared_prefix.py [--sweep] [--out-dir benchmarks/results]
+    radixkv bench shared-prefix [--sweep] [--out DIR]
+    (or python3 benchmarks/shared_prefix.py ...; --out benchmarks/results refreshes the committed results)
 
 One layer, 32 query / 8 kv heads, head dim 128, bf16, block size 16, shuffled physical
 blocks. Headline: 256 sequences sharing a 2,048-token prefix, 128 private tokens each.
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks.out_dir import OUT_HELP, out_dir  # noqa: E402
 from benchmarks.timing import eager_ms  # noqa: E402
 from kernels import paged_attention  # noqa: E402
 from kernels.shared_prefix import (PrefixGroups, SharedPrefixConfig, derive_groups,  # noqa: E402
@@ -222,14 +224,23 @@ def to_markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--sweep", action="store_true", help="time alternative configs on the headline")
-    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--out", "--out-dir", dest="out", default=None, help=OUT_HELP)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes through the interpreter")
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="stop the config sweep once the run is this old")
-    args = ap.parse_args(argv)
+
+
+def main(args=None) -> int:
+    """`args`: parsed arguments (radixkv bench shared-prefix), or an argv list, or None (sys.argv)."""
+    if isinstance(args, argparse.Namespace):
+        argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "shared-prefix"] else []
+    else:
+        ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+        add_arguments(ap)
+        argv = sys.argv[1:] if args is None else args
+        args = ap.parse_args(argv)
     global DEV, DEADLINE
     DEADLINE = time.perf_counter() + args.budget_s
     DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -237,7 +248,7 @@ def main(argv=None):
         sys.exit("benchmarks/shared_prefix.py needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
     gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
     res = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "command": "python3 benchmarks/shared_prefix.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "command": "python3 benchmarks/shared_prefix.py " + " ".join(argv),
            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)",
            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "copy_GBps": copy_bandwidth(args.smoke), "rows": []}
@@ -255,7 +266,7 @@ def main(argv=None):
     plan += [(f"batch {b}", b, [big(2048)], [1], 128 if s else 20, dict(sdpa=False))
              for b in ((16, 64) if s else ())]
     plan += [(f"prefix {n}", 256, [n], [1], 128, dict(sdpa=False)) for n in ((128, 256, 512) if s else ())]
-    os.makedirs(args.out_dir, exist_ok=True)
+    out = out_dir(args.out, "shared-prefix")
     if args.sweep:  # tune on the headline first; every row then runs the fastest config
         name, batch, lv, fan, priv, _ = plan[0]
         head = scenario(name, batch, lv, fan, priv, **k, sweep=True, sdpa=False)
@@ -269,12 +280,14 @@ def main(argv=None):
         res["rows"].append(scenario(name, batch, lv, fan, priv, **k, **extra))
         if DEV == "cuda":
             torch.cuda.empty_cache()
-        with open(os.path.join(args.out_dir, "shared_prefix.json"), "w") as fh:  # after each row:
-            json.dump(res, fh, indent=1)                                          # a cut run keeps them
-        with open(os.path.join(args.out_dir, "shared_prefix.md"), "w") as fh:
+        with open(out / "shared_prefix.json", "w") as fh:  # after each row: a cut run keeps them
+            json.dump(res, fh, indent=1)
+        with open(out / "shared_prefix.md", "w") as fh:
             fh.write(to_markdown(res))
     print(to_markdown(res))
+    print(f"results in {out}/shared_prefix.*")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -12,6 +12,8 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks.out_dir import OUT_HELP, out_dir
+
 
 def measure(model_dir: str, kind: str, k: int, num_requests: int, short: bool) -> float:
     from benchmarks.workloads import beam_search, parallel_sampling
@@ -43,7 +45,7 @@ def add_arguments(p) -> None:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--lengths", choices=["short", "long", "both"], default="both",
                    help="Alpaca-like (short) or ShareGPT-like (long) lengths, see benchmarks/workloads.py")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default=None, help=OUT_HELP)
 
 
 def main(args) -> int:
@@ -62,8 +64,7 @@ def main(args) -> int:
                 saving = measure(args.model_dir, kind, k, args.num_requests, lengths == "short")
                 rows.append(dict(lengths=lengths, kind=kind, k=k, saving=saving))
                 print(f"{lengths:5s} {kind:17s} {k}: {saving:.1%} ({time.perf_counter() - t:.0f} s)", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out, "sharing")
     (out / "sharing.json").write_text(json.dumps(rows, indent=1) + "\n")
     lines = ["| lengths | workload | 2 | 3 | 4 | 5 | 6 |", "|---|---|---:|---:|---:|---:|---:|"]
     for lengths in dict.fromkeys(r["lengths"] for r in rows):
@@ -76,6 +77,7 @@ def main(args) -> int:
         f"--lengths {args.lengths}`; saving = 1 - block-steps held / block-steps without sharing.\n\n"
         + "\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"results in {out}/sharing.*")
     return 0
 
 

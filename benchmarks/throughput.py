@@ -25,6 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.out_dir import OUT_HELP
+from benchmarks.out_dir import out_dir as make_out_dir
+
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -187,7 +190,7 @@ def add_arguments(p) -> None:
     p.add_argument("--engine-args", default="{}", help="JSON of EngineConfig fields common to every config of ours")
     p.add_argument("--configs", default='{"radixkv": {}}',
                    help="JSON {name: EngineConfig fields}: each of ours runs in a fresh engine")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default=None, help=OUT_HELP)
 
 
 def main(args) -> int:
@@ -197,8 +200,7 @@ def main(args) -> int:
     from radixkv.engine.engine import Engine
 
     assert torch.cuda.is_available(), "the throughput benchmark needs a CUDA device"
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_out_dir(args.out, "throughput")
     hw = measure_hardware()
     print(f"copy {hw['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {hw['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s",
           flush=True)
@@ -293,6 +295,7 @@ def main(args) -> int:
         f"{hw['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {hw['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s.\n\n"
         f"`{result['command']}`\n\n{table}\n")
     print(table)
+    print(f"results in {out_dir}/throughput.*")
     return 0
 
 

@@ -1,6 +1,6 @@
 """CPU time the engine spends per step around the forward, at a full decode batch.
 
-    python -m radixkv.engine.overhead MODEL_DIR [--seqs 256] [--prompt 1152] [--shared 1024]
+    radixkv bench overhead MODEL_DIR [--seqs 256] [--prompt 1152] [--shared 1024]
 
 The model's forward is swapped for fixed logits (the batch tensors are still built), so what
 is timed is the Python the GPU waits for each step: scheduling, block-table sync and batch
@@ -72,16 +72,19 @@ def measure(model_dir: str, seqs: int = 256, prompt: int = 1152, shared: int = 1
     return {"running": seqs, "decode_steps": steps, "cpu_ms_per_step": ms, "host_ms_without_sampler": host}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model_dir")
+def add_arguments(p) -> None:
+    p.add_argument("model_dir", metavar="MODEL_DIR")
     p.add_argument("--seqs", type=int, default=256)
     p.add_argument("--prompt", type=int, default=1152)
     p.add_argument("--shared", type=int, default=1024)
-    a = p.parse_args()
-    print(json.dumps(measure(a.model_dir, a.seqs, a.prompt, a.shared)))
+
+
+def main(args) -> int:
+    print(json.dumps(measure(args.model_dir, args.seqs, args.prompt, args.shared)))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    raise SystemExit(main(ap.parse_args()))
