@@ -1,8 +1,9 @@
 """Messages that cross the ZeroMQ boundary between the front and the engine worker.
 
-This module is the only code both processes share: it imports msgspec and nothing
-from the engine, so the front never loads torch for it. Every message is a tagged
-msgspec struct encoded with msgpack; one decoder per direction decodes the union.
+This module is the only code both processes share: it imports msgspec and the torch-free
+radixkv.sampling_params, nothing of the engine's runtime, so the front never loads torch for
+it. Every message is a tagged msgspec struct encoded with msgpack; one decoder per direction
+decodes the union.
 
 Front -> worker (one PUSH/PULL pipe):  GenerateRequest, AbortRequest.
 Worker -> front (another pipe):        WorkerReady, StepOutput, RequestRejected, Heartbeat, WorkerFatal.
@@ -18,28 +19,33 @@ import msgspec
 PROTOCOL_VERSION = 1
 
 
-class SamplingOptions(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    """Mirror of the engine's SamplingParams; the worker converts field by field."""
+def _sampling_options() -> type:
+    """SamplingParams' fields, types and defaults as a msgspec struct.
 
-    n: int = 1
-    best_of: Union[int, None] = None
-    max_tokens: Union[int, None] = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: Union[int, None] = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: Union[int, None] = None  # None: off; k: the sampled token's logprob plus the top k
-    use_beam_search: bool = False
-    beam_width: Union[int, None] = None
-    length_penalty: float = 1.0
-    early_stopping: Union[bool, str] = False
+    NOTE: the wire form is derived, not written: radixkv/sampling_params.py (torch-free, like
+    this module) holds the one field list, and a field added there crosses the wire with no edit
+    here. A dataclass is not the wire type itself because msgspec would encode every field of it
+    (no omit_defaults) and ignore unknown ones instead of refusing them. The worker rebuilds the
+    dataclass with SamplingParams(**msgspec.structs.asdict(options)) and validates it; the text
+    fields (stop, ...) travel too, and the engine ignores them."""
+    import dataclasses
+    import typing
+
+    from radixkv.sampling_params import SamplingParams
+
+    hints = typing.get_type_hints(SamplingParams)
+    spec = [(f.name, hints[f.name], f.default_factory() if f.default_factory is not dataclasses.MISSING
+             else f.default) for f in dataclasses.fields(SamplingParams)]
+    return msgspec.defstruct("SamplingOptions", spec, omit_defaults=True, forbid_unknown_fields=True,
+                             module=__name__)
+
+
+SamplingOptions = _sampling_options()
+
+
+def sampling_options(params) -> "SamplingOptions":
+    """A validated SamplingParams as it goes on the wire."""
+    return SamplingOptions(**{name: getattr(params, name) for name in SamplingOptions.__struct_fields__})
 
 
 # ---- front -> worker -------------------------------------------------------------------------

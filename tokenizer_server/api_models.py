@@ -16,6 +16,12 @@ Unions are discriminated by the JSON value's shape, so a bad value gets one erro
 what a request means but are not implemented are refused unless they hold their "off" value;
 unknown fields are ignored, as OpenAI clients send extras. Limits that depend on the model
 (context length, vocabulary) are checked in serving_common.py, where the model is known.
+
+The sampling fields' bounds come from their one definition (radixkv/sampling_params.py, via
+_sampling_field); what is written here is the API's own: OpenAI's names and ranges (temperature
+<= 2, n <= 128, max_completion_tokens), caps that keep a request small and on the wire's int64,
+and which endpoint takes which field. Rules between fields are SamplingParams.validate's,
+called in serving_common.
 """
 
 from typing import Annotated, Any, Literal, Optional, Union
@@ -23,11 +29,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
+from radixkv.sampling_params import MAX_LOGPROBS, MAX_SEED, rule
+
 INT64_MAX = 2**63 - 1  # msgpack's int64: the largest int the wire to the engine carries
 MAX_N = 128
 MAX_TOKENS = 2**31 - 1  # above any context; the model's own limit is checked in serving_common
-MAX_LOGPROBS = 20
-MAX_SEED = 2**63 - 2**20  # the engine offsets seeds per sample
 MAX_PROMPTS = 1024
 MAX_PROMPT_TOKEN_IDS = 2**20  # per token-id prompt; the model's context is checked later
 MAX_STOP_STRINGS = 16
@@ -44,6 +50,13 @@ MAX_LENGTH_PENALTY = 10.0
 
 
 # ---- value types -------------------------------------------------------------------------------
+
+
+def _sampling_field(name: str, default=None, *, param: str | None = None, **caps):
+    """A request field that maps to SamplingParams' `param` (default: the same name): its bounds
+    as SamplingParams' rule has them, narrowed by the API's caps."""
+    return Field(default, **{**rule(param or name).api_bounds(), **caps})
+
 
 
 def _valid_text(s):
@@ -155,26 +168,26 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     model: Annotated[str, Field(max_length=MAX_MODEL_NAME_CHARS), BeforeValidator(_valid_text)]
-    n: int = Field(1, ge=1, le=MAX_N)
-    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    seed: Optional[int] = Field(None, ge=0, lt=MAX_SEED)
+    n: int = _sampling_field("n", 1, le=MAX_N)
+    max_tokens: Optional[int] = _sampling_field("max_tokens", le=MAX_TOKENS)
+    temperature: Optional[float] = _sampling_field("temperature", le=2.0)  # OpenAI's range
+    top_p: Optional[float] = _sampling_field("top_p")
+    seed: Optional[int] = _sampling_field("seed")
     stop: Optional[Stop] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[Name] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = _sampling_field("presence_penalty")
+    frequency_penalty: Optional[float] = _sampling_field("frequency_penalty")
     logit_bias: _refused({}) = None
     response_format: _refused({"type": "text"}) = None
     # extras beside the OpenAI fields (vLLM's names)
     cache_salt: Optional[Salt] = None
     ignore_eos: bool = False
-    top_k: Optional[int] = Field(None, ge=-1, le=INT64_MAX)  # -1, 0: off; >= the vocabulary: off too
-    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
+    top_k: Optional[int] = _sampling_field("top_k", le=INT64_MAX)  # -1, 0: off; >= the vocabulary: off too
+    min_p: Optional[float] = _sampling_field("min_p")
+    repetition_penalty: Optional[float] = _sampling_field("repetition_penalty", le=10.0)
+    min_tokens: int = _sampling_field("min_tokens", 0, le=MAX_TOKENS)
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
     skip_special_tokens: bool = True
     # vLLM extras that change the output and are not implemented
@@ -184,7 +197,7 @@ class _SamplingRequest(BaseModel):
     guided_grammar: _refused() = None
     structured_outputs: _refused() = None
     prompt_logprobs: _refused() = None
-    include_stop_str_in_output: _refused(False) = None
+    include_stop_str_in_output: _refused(False) = None  # the output processor has it; the API keeps it off
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -193,13 +206,13 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     echo: bool = False
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = _sampling_field("logprobs")
     suffix: _refused("") = None
-    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    best_of: Optional[int] = _sampling_field("best_of", le=MAX_N)
     # beam search (an extra, as vLLM had it): the n best of beam_width beams; the beam-only
     # fields are refused without use_beam_search (serving_common)
     use_beam_search: bool = False
-    beam_width: Optional[int] = Field(None, ge=2, le=MAX_N)
+    beam_width: Optional[int] = _sampling_field("beam_width", le=MAX_N)
     length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: EarlyStopping = False
 
@@ -243,9 +256,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: Optional[int] = _sampling_field("max_completion_tokens", param="max_tokens",
+                                                           le=MAX_TOKENS)  # OpenAI's newer name
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = _sampling_field("top_logprobs", param="logprobs")  # logprobs: k, with logprobs
     add_generation_prompt: bool = True
     tools: _refused([], what=TOOLS_REFUSED) = None
     tool_choice: _refused("none", what=TOOLS_REFUSED) = None

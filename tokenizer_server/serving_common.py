@@ -1,7 +1,7 @@
 """What /v1/completions and /v1/chat/completions share: the server state, checks that need
-the model (context length, vocabulary) or look at several fields at once, SamplingOptions,
-and the two ways a group's events leave: collected into one JSON body, or streamed as
-server-sent events."""
+the model (context length, vocabulary), the request's SamplingParams (build_sampling), and the
+two ways a group's events leave: collected into one JSON body, or streamed as server-sent
+events."""
 
 import asyncio
 import contextlib
@@ -15,6 +15,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from radixkv import protocol as P
+from radixkv.engine.errors import ParamError
+from radixkv.sampling_params import FIELDS as SAMPLING_FIELDS
+from radixkv.sampling_params import SamplingParams
 from tokenizer_server.async_tokenizer import AsyncTokenizer
 from tokenizer_server.errors import APIError, bad_request, internal_error
 from tokenizer_server.generation import GenerationGroup
@@ -104,85 +107,39 @@ def effective_top_k(top_k: int | None, vocab_size: int) -> int:
     return top_k
 
 
-# Beam search ranks the model's raw log-probabilities: fields that would reshape them must stay at
-# their defaults. And the beam-only fields mean nothing without it.
-_BEAM_NEUTRAL = (("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
-                 ("presence_penalty", 0.0))
-
-
-def _check_best_of(req, best_of: int | None) -> None:
-    if best_of is None:
+def check_streamable(req, params: SamplingParams) -> None:
+    """Streaming sends tokens as they come: not possible when the outputs are chosen at the end."""
+    if not req.stream:
         return
-    if best_of < req.n:
-        raise bad_request("best_of", f"must be >= n ({req.n}), got {best_of}")
-    if req.stream and best_of > req.n:
+    if params.best_of is not None and params.best_of > params.n:
         raise bad_request("best_of", "streaming is not supported when best_of > n")
-
-
-def _check_beam_only_fields(req) -> None:
-    if getattr(req, "beam_width", None) is not None:
-        raise bad_request("beam_width", "applies to beam search only (set use_beam_search: true)")
-    if getattr(req, "length_penalty", 1.0) != 1.0:
-        raise bad_request("length_penalty", "applies to beam search only (set use_beam_search: true)")
-    if getattr(req, "early_stopping", False) is not False:
-        raise bad_request("early_stopping", "applies to beam search only (set use_beam_search: true)")
-
-
-def _check_beam_search(req, top_k: int) -> None:
-    if req.stream:
+    if params.use_beam_search:
         raise bad_request("use_beam_search",
                           "streaming is not supported with beam search (beams are ranked at the end)")
-    for name, default in _BEAM_NEUTRAL:
-        value = getattr(req, name)
-        if value is not None and value != default:
-            raise bad_request(name, f"must be {default} with use_beam_search (beams rank the raw log-probabilities)")
-    if top_k != -1:
-        raise bad_request("top_k", "must be off (-1) with use_beam_search")
-    if req.beam_width is not None and req.best_of is not None and req.best_of != req.beam_width:
-        raise bad_request("best_of", f"must equal beam_width ({req.beam_width}) with beam search")
-    width = req.beam_width or req.best_of or req.n
-    if width < 2:
-        raise bad_request("use_beam_search", "needs at least 2 beams (beam_width, or best_of / n); "
-                                             "for one, use greedy sampling (temperature 0)")
-    if req.n > width:
-        raise bad_request("n", f"{req.n} is more than the beam width ({width})")
 
 
 def build_sampling(req, info: P.WorkerReady, max_tokens: int, logprobs: int | None,
                    logprobs_param: str = "logprobs") -> P.SamplingOptions:
-    if req.min_tokens > max_tokens:
-        raise bad_request("min_tokens", f"{req.min_tokens} is more than max_tokens ({max_tokens})")
+    """The request's SamplingParams, checked (its rules: SamplingParams.validate), as it goes on
+    the wire. The request's fields carry SamplingParams' names; unset (None) means its default.
+
+    NOTE: only the mapping and the API's own rules are here: the OpenAI aliases (max_tokens
+    resolved against the context, chat's top_logprobs as logprobs, stop as a list, top_k off at
+    the vocabulary), what needs the model (the vocabulary), and streaming. Every other rule is
+    SamplingParams', whose messages name the field as the API's always did."""
     if logprobs is not None and logprobs > info.vocab_size:
         raise bad_request(logprobs_param, f"{logprobs} is more than the vocabulary ({info.vocab_size})")
     check_token_ids(info, req.stop_token_ids or [], "stop_token_ids")
-    best_of = getattr(req, "best_of", None)
-    _check_best_of(req, best_of)
-    top_k = effective_top_k(req.top_k, info.vocab_size)
-    beam = getattr(req, "use_beam_search", False)
-    if beam:
-        _check_beam_search(req, top_k)
-    else:
-        _check_beam_only_fields(req)
-    beam_fields = dict(use_beam_search=True, beam_width=req.beam_width, length_penalty=req.length_penalty,
-                       early_stopping=req.early_stopping) if beam else {}
-    return P.SamplingOptions(
-        n=req.n,
-        best_of=best_of,
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        seed=req.seed,
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens,
-        logprobs=logprobs,
-        **beam_fields,
-    )
+    fields = {name: v for name in SAMPLING_FIELDS if (v := getattr(req, name, None)) is not None}
+    fields.update(max_tokens=max_tokens, logprobs=logprobs, top_k=effective_top_k(req.top_k, info.vocab_size),
+                  stop=req.stop_strings(), stop_token_ids=list(req.stop_token_ids or []))
+    params = SamplingParams(**fields)
+    check_streamable(req, params)
+    try:
+        params.validate()
+    except ParamError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    return P.sampling_options(params)
 
 
 def effective_salt(request: Request, cache_salt: str | None) -> str | None:

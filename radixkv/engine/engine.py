@@ -40,7 +40,7 @@ from radixkv.engine.sampler import Sampler, SamplerOutput
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.sequence import Request, Sequence, Status
-from radixkv.engine.validate import validate_request
+from radixkv.engine.validate import RequestLimits, validate_request
 from radixkv.models.config import load_model_config
 
 logger = logging.getLogger("radixkv.engine")
@@ -100,7 +100,7 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> None:
         params = SamplingParams() if params is None else params
-        validate_request(self, request_id, prompt_token_ids, params, cache_salt)
+        validate_request(self.limits, request_id, prompt_token_ids, params, cache_salt, self.requests)
         req = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), cache_salt)
         if params.use_beam_search:
             req.beam = self._beam_search(len(prompt_token_ids), params)
@@ -118,12 +118,17 @@ class Engine:
                           logprobs=p.logprobs,
                           worst_blocks=worst_case_blocks(prompt_len, max_new, p.num_beams, self.block_size))
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What a new request is checked against (validate_request)."""
+        return RequestLimits(self.model_config.vocab_size, self.max_model_len, self.runner.max_positions,
+                             self.num_blocks, self.block_size, self.config.max_num_seqs, tuple(self.eos_token_ids))
+
     def max_new_tokens(self, prompt_len: int, p: SamplingParams) -> int:
-        room = self.max_model_len - prompt_len
-        return room if p.max_tokens is None else min(p.max_tokens, room)
+        return self.limits.max_new_tokens(prompt_len, p)
 
     def finish_token_ids(self, p: SamplingParams) -> set[int]:
-        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        return self.limits.finish_token_ids(p)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
