@@ -2,9 +2,10 @@
 
 A request with P prompts and n samples is P engine requests (the engine forks the n
 samples itself); choice i*n + j is sample j of prompt i. Each choice has its own
-incremental detokenizer and stop-string matcher. A choice ended by a stop string
-ignores its later tokens; once every choice of an engine request has ended here,
-the engine request is aborted so its blocks go back at once.
+OutputProcessor (radixkv/output_processor.py, the offline LLM's too): incremental
+detokenizer and stop strings, read from the request's SamplingOptions. A choice ended
+by a stop string ignores its later tokens; once every choice of an engine request has
+ended here, the engine request is aborted so its blocks go back at once.
 """
 
 import asyncio
@@ -13,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 from radixkv import protocol as P
+from radixkv.output_processor import OutputProcessor
 from tokenizer_server.client import EngineClient, WorkerUnavailable
-from tokenizer_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from tokenizer_server.errors import APIError, engine_failed
 
 log = logging.getLogger("radixkv.server")
@@ -38,10 +39,12 @@ class ChoiceEvent:
 @dataclass
 class _Choice:
     index: int
-    detok: IncrementalDetokenizer
-    stopper: StopStringMatcher
-    num_tokens: int = 0
-    finish_reason: str | None = None
+    text: OutputProcessor
+    num_tokens: int = 0  # usage: the tokens of every delta it took, the one with the stop string included
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.text.finish_reason
 
 
 @dataclass
@@ -81,10 +84,8 @@ class GenerationGroup:
     metrics: object  # ServerMetrics
     request_id: str
     prompts: list[list[int]]
-    sampling: P.SamplingOptions
-    stop: list[str] = field(default_factory=list)
+    sampling: P.SamplingOptions  # stop strings and the text fields included
     cache_salt: str | None = None
-    skip_special_tokens: bool = True
     arrival: float = field(default_factory=time.monotonic)
 
     def __post_init__(self):
@@ -93,14 +94,7 @@ class GenerationGroup:
         n = self.sampling.n
         for i, prompt in enumerate(self.prompts):
             rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
-            choices = [
-                _Choice(
-                    i * n + j,
-                    IncrementalDetokenizer(self.tokenizer, prompt, skip_special_tokens=self.skip_special_tokens),
-                    StopStringMatcher(self.stop),
-                )
-                for j in range(n)
-            ]
+            choices = [_Choice(i * n + j, OutputProcessor(self.tokenizer, prompt, self.sampling)) for j in range(n)]
             self._requests[rid] = _EngineRequest(rid, prompt, choices)
 
     # ---- driving -----------------------------------------------------------------------------
@@ -201,15 +195,7 @@ class GenerationGroup:
         if ch.finish_reason is not None:
             return None  # ended here by a stop string; the engine ran on
         ch.num_tokens += len(c.new_token_ids)
-        text = ch.detok.push(c.new_token_ids)
-        if c.finish_reason is not None:
-            text += ch.detok.flush()
-        text, stopped = ch.stopper.feed(text, match=ch.num_tokens >= self.sampling.min_tokens)
-        if stopped:
-            ch.finish_reason = "stop"
-        elif c.finish_reason is not None:
-            text += ch.stopper.flush()
-            ch.finish_reason = c.finish_reason
+        text = ch.text.process(c.new_token_ids, c.finish_reason)
         if ch.finish_reason is not None:
             self.metrics.requests.labels(ch.finish_reason).inc()
         if not text and not c.new_token_ids and ch.finish_reason is None:

@@ -77,8 +77,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                               logprobs_param="top_logprobs")
     group = GenerationGroup(
         state.supervisor.client, tok, state.metrics, new_id("chatcmpl"), [ids], sampling,
-        stop=req.stop_strings(), cache_salt=effective_salt(request, req.cache_salt),
-        skip_special_tokens=req.skip_special_tokens,
+        cache_salt=effective_salt(request, req.cache_salt),
     )
     created = int(time.time())
     group.start()

@@ -94,8 +94,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     sampling = build_sampling(req, info, max_tokens, req.logprobs)
     group = GenerationGroup(
         state.supervisor.client, tok, state.metrics, new_id("cmpl"), prompts, sampling,
-        stop=req.stop_strings(), cache_salt=effective_salt(request, req.cache_salt),
-        skip_special_tokens=req.skip_special_tokens,
+        cache_salt=effective_salt(request, req.cache_salt),
     )
     created = int(time.time())
     echo_texts = [(p if isinstance(p, str) else tok.decode(ids)) for p, ids in zip(raw, prompts)] if req.echo else None

@@ -7,6 +7,14 @@
 Parallel sampling (n, best_of) and beam search (use_beam_search, beam_width, length_penalty,
 early_stopping) come back as several outputs per prompt; beam search's are best first.
 
+Text comes from the output processor the HTTP front uses too (radixkv/output_processor.py):
+the same incremental detokenizer, and stop strings (`SamplingParams(stop=[...])`): an output
+ends before the first stop string (after it with include_stop_str_in_output), with
+finish_reason "stop" and token_ids up to the token that completed it, as the server answers.
+Once every output of a prompt has ended so, its engine request is aborted and decodes no more.
+A sample stopped while its siblings (n > 1) run on is ignored from then on; its
+cumulative_logprob still counts what the engine generated for it meanwhile.
+
 A prompt the engine fails (an internal error, logged on the "radixkv.engine" logger) comes
 back finished with finish_reason "error" on every output it had not finished; the other
 prompts are unaffected.
@@ -24,6 +32,7 @@ from radixkv.engine.errors import is_device_error
 from radixkv.engine.outputs import CompletionOutput, RequestOutput
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.models.source import load_tokenizer
+from radixkv.output_processor import OutputProcessor
 
 logger = logging.getLogger("radixkv.engine")
 
@@ -58,13 +67,18 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        texts, rids, failed = {}, [], {}
+        texts, rids, failed, procs = {}, [], {}, {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid, text, ids = f"llm-{next(self._ids)}", None, []
                 try:
                     text, ids = self._prompt_ids(prompt)
+                    if isinstance(p, SamplingParams) and p.stop and self.tokenizer is None:
+                        raise ValueError("stop: stop strings need a tokenizer (tokenizer files in the model folder, "
+                                         "or a GGUF)")
                     self.engine.add_request(rid, ids, p, cache_salt=cache_salt)
+                    if self.tokenizer is not None:
+                        procs[rid] = [OutputProcessor(self.tokenizer, ids, p) for _ in range(p.n)]
                 except ValueError as e:
                     raise ValueError(f"prompts[{i}]: {e}") from None
                 except Exception as e:
@@ -79,31 +93,43 @@ class LLM:
                 self.engine.abort_request(rid)
             self.engine.step()  # drain the aborts' outputs
             raise
-        return self._run(rids, texts, failed)
+        return self._run(rids, texts, failed, procs)
 
-    def _run(self, rids: list[str], texts: dict, failed: dict[str, RequestOutput]) -> list[RequestOutput]:
+    def _run(self, rids: list[str], texts: dict, failed: dict[str, RequestOutput],
+             procs: dict[str, list[OutputProcessor]]) -> list[RequestOutput]:
         pending = set(rids) - set(failed)
         logprobs: dict[tuple[str, int], list] = {}
         done = {rid: replace(out, prompt=texts[rid]) for rid, out in failed.items()}
         while pending:
             for out in self.engine.step():
+                rid, choices = out.request_id, procs.get(out.request_id)
                 for c in out.outputs:
+                    took = len(c.new_token_ids)
+                    if choices is not None:
+                        before = choices[c.index].num_tokens
+                        choices[c.index].process(c.new_token_ids, c.finish_reason)
+                        took = choices[c.index].num_tokens - before  # none past a stop string
                     if c.logprobs is not None:
-                        logprobs.setdefault((out.request_id, c.index), []).extend(c.logprobs)
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    done[out.request_id] = self._final(out, texts[out.request_id], logprobs)
+                        logprobs.setdefault((rid, c.index), []).extend(c.logprobs[:took])
+                if out.finished and rid in pending:
+                    pending.discard(rid)
+                    done[rid] = self._final(out, texts[rid], logprobs, choices)
+                elif choices is not None and all(ch.finished for ch in choices):
+                    self.engine.abort_request(rid)  # every output met a stop string: decode no more
         return [done[r] for r in rids]
 
-    def _final(self, out: RequestOutput, prompt: str | None, logprobs: dict) -> RequestOutput:
+    def _final(self, out: RequestOutput, prompt: str | None, logprobs: dict,
+               choices: list[OutputProcessor] | None) -> RequestOutput:
         completions = []
         for c in out.outputs:
             lps = c.logprobs if c.logprobs is None else logprobs.get((out.request_id, c.index), c.logprobs)
-            text = None
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            completions.append(CompletionOutput(c.index, list(c.token_ids), list(c.token_ids), lps, c.finish_reason,
-                                                c.cumulative_logprob, text))
+            ids, text, finish = list(c.token_ids), None, c.finish_reason
+            if choices is not None:
+                ch = choices[c.index]
+                text, finish = ch.text, ch.finish_reason or c.finish_reason
+                if ch.stopped_by_string:
+                    ids = ids[: ch.num_tokens]
+            completions.append(CompletionOutput(c.index, ids, list(ids), lps, finish, c.cumulative_logprob, text))
         return replace(out, outputs=completions, finished=True, prompt=prompt)
 
 
