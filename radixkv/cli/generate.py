@@ -16,25 +16,13 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     p.add_argument("--chat", action="store_true",
                    help="send each prompt as a user message through the model's chat template")
-    s = p.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("--min-tokens", type=int, default=0)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--n", type=int, default=1, help="samples per prompt")
-    s.add_argument("--repetition-penalty", type=float, default=1.0)
-    s.add_argument("--frequency-penalty", type=float, default=0.0)
-    s.add_argument("--presence-penalty", type=float, default=0.0)
-    s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--logprobs", type=int, default=None)
-    s.add_argument("--best-of", type=int, default=None, help="samples drawn; the --n most likely are printed")
-    b = p.add_argument_group("beam search")
-    b.add_argument("--beam-width", type=int, default=None, help="beam search with this many beams (--n best printed)")
-    b.add_argument("--length-penalty", type=float, default=1.0)
-    b.add_argument("--early-stopping", default="false", choices=("false", "true", "never"))
+    from radixkv.sampling_params import add_cli_arguments  # one flag per SamplingParams field
+
+    add_cli_arguments(p.add_argument_group("sampling"), p.add_argument_group("beam search"),
+                      defaults={"max_tokens": 64, "temperature": 0.0},
+                      helps={"temperature": "0 = greedy (default)", "n": "samples per prompt",
+                             "best_of": "samples drawn; the --n most likely are printed",
+                             "beam_width": "beam search with this many beams (--n best printed)"})
     e = p.add_argument_group("engine")
     e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     e.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
@@ -55,19 +43,10 @@ def main(args) -> int:
     import logging
 
     from radixkv.engine.llm import LLM
-    from radixkv.engine.sampling_params import SamplingParams
+    from radixkv.sampling_params import from_cli_args
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    beam = args.beam_width is not None
-    early = {"false": False, "true": True, "never": "never"}[args.early_stopping]
-    params = SamplingParams(
-        n=args.n, best_of=args.best_of, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-        ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
-        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty, logprobs=args.logprobs,
-        use_beam_search=beam, beam_width=args.beam_width,
-        length_penalty=args.length_penalty if beam else 1.0, early_stopping=early if beam else False,
-    )
+    params = from_cli_args(args)
     try:
         params.validate()
         llm = LLM(args.model_dir, device=args.device, dtype=args.dtype, load_format=args.load_format,
