@@ -139,7 +139,7 @@ def test_fork_of_a_fork(make):
     m.fork("p", "c")
     m.fork("c", "g")
     assert m.stats().prefix_query_tokens == 7  # forks count no query
-    assert m.pool.ref[m.block_table("g")[1]] == 3
+    assert m.ref_count(m.block_table("g")[1]) == 3
     decode(m, "g", 1)
     decode(m, "p", 2)
     decode(m, "c", 3)  # last holder of the original partial block

@@ -35,11 +35,11 @@ def check_manager(m) -> None:
         if b in free and node_of[b] is not None:
             _fail(f"block {b} is free but still cached")
         evictable += node_of[b] is not None and ref[b] == 0
-    if evictable != tree.num_evictable:
-        _fail(f"{evictable} evictable blocks, counter says {tree.num_evictable}")
+    if evictable != pool.num_evictable:
+        _fail(f"{evictable} evictable blocks, counter says {pool.num_evictable}")
     in_use = sum(1 for b in range(N) if ref[b]) + len(pool.parked)
-    if pool.num_free + tree.num_evictable + in_use != N:
-        _fail(f"free {pool.num_free} + evictable {tree.num_evictable} + in use {in_use} != {N}")
+    if pool.num_free + pool.num_evictable + in_use != N:
+        _fail(f"free {pool.num_free} + evictable {pool.num_evictable} + in use {in_use} != {N}")
 
     _check_tree(m)
     _check_namespaces(m)

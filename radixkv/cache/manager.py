@@ -1,4 +1,10 @@
-"""KVCacheManager: the façade an engine drives (see docs/embedding.md for the rules)."""
+"""KVCacheManager: the façade an engine drives (see docs/embedding.md for the rules).
+
+The manager owns the sequences (tables, token ids, counters) and says where each of its
+operations starts (tree.advance_clock()); it writes no ref count and no block state. A
+block's lifecycle (ref counts, free / evictable / parked) is the BlockPool's, what is
+cached and in what LRU order is the RadixTree's.
+"""
 
 import warnings
 from array import array
@@ -152,9 +158,7 @@ class KVCacheManager:
         parent = self._seq(parent_id)
         self._new_id(child_id, "child_id")
         shared = parent.table[: -(-parent.num_computed // self.block_size)]
-        ref = self.pool.ref
-        for b in shared:
-            ref[b] += 1
+        self.pool.incref_many(shared)  # all held by the parent: no state changes
         parent.ns.num_seqs += 1
         self._seqs[child_id] = Sequence(array(TOKEN_TYPECODE, parent.tokens), shared, parent.ns, parent.node,
                                         parent.num_computed, parent.num_committed, parent.num_computed)
@@ -163,28 +167,13 @@ class KVCacheManager:
         """Drop the sequence; its cached blocks stay in the tree (evictable once unheld)."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
-        tree, pool, ref, node_of = self.tree, self.pool, self.pool.ref, self.tree.node_of
-        tree.tick += 1
+        tree, pool = self.tree, self.pool
+        tree.advance_clock()
         table, nc = seq.table, seq.num_committed
-        zeros = 0
-        for i in range(nc):  # committed: all cached
-            b = table[i]
-            r = ref[b] - 1
-            ref[b] = r
-            if r == 0:
-                zeros += 1
-        tree.num_evictable += zeros
-        for i in range(nc, len(table)):
-            b = table[i]
-            r = ref[b] - 1
-            ref[b] = r
-            if r == 0:
-                if node_of[b] is None:
-                    pool.release(b)
-                else:  # cached by another sequence while this one held it uncommitted
-                    tree.unreferenced(b)
-        if nc:
-            tree.release_chain(seq.node)
+        if nc:  # committed: a chain of the tree, all cached
+            pool.decref_chain(table[:nc], seq.node)
+        if nc < len(table):
+            pool.decref_many(table[nc:])
         ns = seq.ns
         ns.num_seqs -= 1
         if not ns.num_seqs and not ns.cached_blocks:
@@ -198,7 +187,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block, and every namespace without a live sequence. Refused
         (returns False, nothing changes) while any block is held by a sequence."""
-        referenced = self.pool.num_blocks - self.pool.num_free - self.tree.num_evictable - len(self.pool.parked)
+        referenced = self.pool.num_blocks - self.pool.num_free - self.pool.num_evictable - len(self.pool.parked)
         if referenced:
             return False
         self.tree.reset()
@@ -253,12 +242,12 @@ class KVCacheManager:
 
     @property
     def num_evictable_blocks(self) -> int:
-        return self.tree.num_evictable
+        return self.pool.num_evictable
 
     @property
     def num_in_use_blocks(self) -> int:
         """Held by a live sequence (or kept back until pending copy ops are taken)."""
-        return self.pool.num_blocks - self.pool.num_free - self.tree.num_evictable
+        return self.pool.num_blocks - self.pool.num_free - self.pool.num_evictable
 
     @property
     def num_cached_blocks(self) -> int:
@@ -277,7 +266,7 @@ class KVCacheManager:
     def num_available_blocks(self) -> int:
         """Blocks a reservation can take: free, then evictable (minus pending copy sources,
         which are parked rather than freed when evicted)."""
-        n = self.pool.num_free + self.tree.num_evictable
+        n = self.pool.num_free + self.pool.num_evictable
         if self.pool.pending_sources:
             ref, node_of = self.pool.ref, self.tree.node_of
             n -= sum(1 for b in self.pool.pending_sources if ref[b] == 0 and node_of[b] is not None)
@@ -354,7 +343,7 @@ class KVCacheManager:
 
     def _add(self, seq_id, tokens: array, ns: Namespace, path: list, n: int) -> int:
         tree = self.tree
-        tree.tick += 1
+        tree.advance_clock()
         if n:
             node, blocks = tree.lock(path)
         else:
@@ -375,7 +364,7 @@ class KVCacheManager:
         B = self.block_size
         need = -(-(len(tokens) + lookahead) // B) - n
         pool, tree = self.pool, self.tree
-        available = pool.num_free + tree.num_evictable
+        available = pool.num_free + pool.num_evictable
         if n:
             available -= tree.unheld_blocks(path)
         if pool.pending_sources:
@@ -395,7 +384,7 @@ class KVCacheManager:
         available = self.num_available_blocks
         if need > available:
             return need - available
-        self.tree.tick += 1
+        self.tree.advance_clock()
         pool = self.pool
         while pool.num_free < need:  # nothing is evicted while a free block remains
             self.tree.evict(need - pool.num_free)
@@ -405,7 +394,7 @@ class KVCacheManager:
             pool.add_copy(src, dst)
             seq.table[cow] = dst
             self.copy_on_write_blocks += 1
-            self._unref(src)
+            pool.decref(src)
         seq.table += blocks
         seq.num_reserved = max(seq.num_reserved, seq.num_computed + num_tokens)
         return 0
@@ -416,7 +405,7 @@ class KVCacheManager:
         full = end // self.block_size
         if self.enable_prefix_caching and full > seq.num_committed:
             B, first = self.block_size, seq.num_committed
-            self.tree.tick += 1
+            self.tree.advance_clock()
             seq.node = self.tree.commit(seq.node, seq.table, first, le_bytes(seq.tokens[first * B : full * B]))
             seq.num_committed = full
 
@@ -432,12 +421,3 @@ class KVCacheManager:
             if self.pool.ref[b] > 1 or self.tree.node_of[b] is not None:
                 cow = done // B
         return new, cow
-
-    def _unref(self, block: int) -> None:
-        ref = self.pool.ref
-        ref[block] -= 1
-        if ref[block] == 0:
-            if self.tree.node_of[block] is None:
-                self.pool.release(block)
-            else:
-                self.tree.unreferenced(block)

@@ -9,11 +9,18 @@ the namespaces it holds in `namespaces` and drops one as soon as it has neither 
 block nor a live sequence (its last block evicted, its last sequence freed, or a reset), so
 the state kept per tenant is bounded by what that tenant has cached or running.
 
-Ref counts live in the BlockPool (per block, = tables holding it). Every live sequence's
-committed blocks are a chain of whole nodes from its root (nodes split where a chain ends
-inside one), so a node's blocks are used together and one `last_use` per node orders them.
-An evictable leaf is a childless node whose last block is unreferenced; eviction takes
-blocks from the tail of the least recently used one, so a chain never loses its middle.
+Who owns what: the tree owns what is cached (`node_of`, the nodes), the evictable leaves
+(`lru`) and the LRU clock (`tick`, advanced by advance_clock() only). Ref counts and the
+evictable count belong to the BlockPool, which alone writes them: the tree pins a hit with
+pool.incref_many(), swaps in a twin with pool.incref() / pool.decref(), hands evicted
+blocks back with pool.evicted(), and hears from the pool when a cached block falls to 0
+(unreferenced(), release_chain()).
+
+Every live sequence's committed blocks are a chain of whole nodes from its root (nodes
+split where a chain ends inside one), so a node's blocks are used together and one
+`last_use` per node orders them. An evictable leaf is a childless node whose last block is
+unreferenced; eviction takes blocks from the tail of the least recently used one, so a
+chain never loses its middle.
 """
 
 from itertools import count
@@ -77,13 +84,25 @@ class RadixTree:
         self.block_bytes = block_size * TOKEN_BYTES
         self.node_of: list[Node | None] = [None] * pool.num_blocks  # cached block -> its node
         self.num_cached = 0
-        self.num_evictable = 0  # cached blocks with ref 0
         self.num_evicted = 0
         self.num_dedup = 0
         self.lru = LRUPolicy()
-        self.tick = 0  # advanced by the manager once per operation
+        self.tick = 0  # the LRU clock: written by advance_clock() only
         self._uids = count()
         self.namespaces: dict = {}  # Namespace.key -> Namespace, held ones only
+        pool.attach(self)
+
+    def advance_clock(self) -> None:
+        """Start a new time for last_use: called once per manager operation that may use
+        blocks (admission, reservation, commit, free).
+
+        NOTE: one tick per operation, not per touch: the nodes one operation uses (a
+        chain released at free, the blocks of one commit) are equally recent, and their
+        ties go by node age (uid). A clock moved per touch would order them by the order
+        the operation happened to visit them in instead. Only the manager knows where an
+        operation starts, so it calls this; nothing else moves the clock.
+        """
+        self.tick += 1
 
     # ---- namespaces -------------------------------------------------------------------------
 
@@ -145,23 +164,13 @@ class RadixTree:
         last, k = path[-1]
         if k < len(last.blocks):
             path = path[:-1] + [(self._split(last, k), k)]
-        ref, blocks, tick, lru = self.pool.ref, [], self.tick, self.lru
-        unheld = 0
+        blocks, tick, lru = [], self.tick, self.lru
         for node, _ in path:
             if node.lru_key is not None:
                 lru.remove(node)
             node.last_use = tick
-            nb = node.blocks
-            # A held block's parent block is held (no orphans), so a node's unheld blocks
-            # are a tail of it: its first and last block tell, without a test per block.
-            if ref[nb[0]] == 0:
-                unheld += len(nb)
-            elif ref[nb[-1]] == 0:
-                unheld += sum(1 for b in nb if ref[b] == 0)
-            for b in nb:
-                ref[b] += 1
-            blocks += nb
-        self.num_evictable -= unheld
+            blocks += node.blocks
+        self.pool.incref_many(blocks)  # the path is a chain: the pool's tight loop applies
         return path[-1][0], blocks
 
     def unheld_blocks(self, path: list) -> int:
@@ -227,8 +236,8 @@ class RadixTree:
         self.leaf_check(end)
 
     def unreferenced(self, block: int) -> None:
-        """A cached block's ref count just fell to 0 outside a chain release."""
-        self.num_evictable += 1
+        """The pool says: a cached block's ref count just fell to 0 outside a chain release
+        (it has counted the block evictable); queue its node if it became an evictable leaf."""
         node = self.node_of[block]
         if node.blocks[-1] == block:
             node.last_use = self.tick
@@ -259,12 +268,11 @@ class RadixTree:
             del blocks[cut:], node.keys[cut:]
             node.tokens = node.tokens[: cut * bb]
             self.num_cached -= len(gone)
-            self.num_evictable -= len(gone)
             self.num_evicted += len(gone)
             ns.cached_blocks -= len(gone)
-            for b in reversed(gone):
+            for b in gone:
                 node_of[b] = None
-                pool.release(b)
+            pool.evicted(gone[::-1])  # tail first, as removed
             if cut == 0:  # the node is gone; its parent may have become a leaf
                 parent = node.parent
                 del parent.children[first_bytes]
@@ -290,13 +298,14 @@ class RadixTree:
                 ids += node.blocks
                 for b in node.blocks:
                     self.node_of[b] = None
-                    self.pool.release(b)
+                self.pool.evicted(node.blocks)
             ns.cached_blocks = 0
             if events is not None and keys:
                 events.append(BlockRemoved(tuple(keys), tuple(ids), ns.salt, ns.adapter_id))
             self.drop_if_unused(ns)
         self.lru.clear()
-        self.num_cached = self.num_evictable = 0
+        self.num_cached = 0
+        assert self.pool.num_evictable == 0, self.pool.num_evictable
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -333,14 +342,10 @@ class RadixTree:
             twin = self._split(twin, 1)
         elif twin.lru_key is not None:
             self.lru.remove(twin)
-        ref = self.pool.ref
-        if ref[t] == 0:
-            self.num_evictable -= 1
-        ref[t] += 1
+        pool = self.pool
+        pool.incref(t)  # evictable until now, perhaps
         twin.last_use = self.tick
         table[j] = t
-        ref[own] -= 1
-        if ref[own] == 0:
-            self.pool.release(own)
+        pool.decref(own)  # the sequence's own copy, uncached: released at once
         self.num_dedup += 1
         return twin

@@ -94,8 +94,8 @@ def build_stats(m) -> CacheStats:
                                            u.prefix_query_tokens + ns.query_tokens,
                                            u.prefix_hit_tokens + ns.hit_tokens)
     return CacheStats(
-        num_blocks=pool.num_blocks, block_size=B, free_blocks=pool.num_free, evictable_blocks=tree.num_evictable,
-        in_use_blocks=pool.num_blocks - pool.num_free - tree.num_evictable, cached_blocks=tree.num_cached,
+        num_blocks=pool.num_blocks, block_size=B, free_blocks=pool.num_free, evictable_blocks=pool.num_evictable,
+        in_use_blocks=pool.num_blocks - pool.num_free - pool.num_evictable, cached_blocks=tree.num_cached,
         num_sequences=len(m._seqs), slot_utilization=tokens / slots if slots else 1.0, last_block_slack=slots - tokens,
         prefix_query_tokens=m.prefix_query_tokens, prefix_hit_tokens=m.prefix_hit_tokens,
         evicted_blocks=tree.num_evicted, deduplicated_blocks=tree.num_dedup,
