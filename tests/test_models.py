@@ -100,7 +100,7 @@ def test_triton_backend_with_fused_ops_matches_hf(tiny_llama_dir, tiny_qwen3_dir
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_ops_match_their_references(dtype):
-    from radixkv.models import fused
+    from kernels import fused
 
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEVICE)  # noqa: E731

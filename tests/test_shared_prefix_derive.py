@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.shared_prefix import PrefixGroups, derive_groups
-from kernels.shared_prefix_groups import check_groups
+from kernels.shared_prefix.groups import check_groups
 from test_shared_prefix_cases import as_tensors, lcp, random_forest
 
 BS = 4

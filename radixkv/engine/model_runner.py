@@ -47,19 +47,15 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, device: str):
         self.config, self.model_cfg, self.device = config, model_cfg, torch.device(device)
         self.dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        self.backend = backend
+        from kernels.backend import ops_for
+
+        self.ops = ops_for(config.attention_backend, self.device)  # the one place a backend is chosen
+        self.backend = self.ops.name
         self.block_size = config.block_size
         self.max_positions = min(model_cfg.max_model_len, config.max_model_len or model_cfg.max_model_len)
-        self.model = load_model(config.model_dir, model_cfg, device=device, dtype=self.dtype, backend=backend,
+        self.model = load_model(config.model_dir, model_cfg, device=device, dtype=self.dtype, backend=self.ops,
                                 load_format=config.load_format, max_positions=self.max_positions, seed=config.seed)
-        if backend == "triton":
-            from kernels import copy_blocks
-        else:
-            from kernels.reference import copy_blocks_ref as copy_blocks
-        self._copy_blocks = copy_blocks
+        self._copy_blocks = self.ops.copy_blocks
         self.last_step_shared = False  # whether the last step used shared-prefix attention
         self.num_blocks = config.num_blocks or self._auto_num_blocks()
         self.kv_cache = torch.zeros(
@@ -75,7 +71,7 @@ class ModelRunner:
             # threads only add wake-up latency, 100x on a loaded machine (derive_groups).
             torch.set_num_threads(1)
         self.prefix_groups = None
-        if config.enable_shared_prefix_attention and backend == "triton":
+        if config.enable_shared_prefix_attention and self.ops.prefix_groups:
             self.prefix_groups = PrefixGroupCache(self.block_size, config.shared_prefix_min_saved_tokens,
                                                   device=self.device)
         self.graphs = None

@@ -2,7 +2,8 @@
 
 Parameters are created empty (no random init: the loader fills them). Merged projections
 (q|k|v and gate|up) are one matmul each; `shards` tells the loader where each HF tensor goes.
-With fused=True (the Triton backend) the element-wise steps run as the kernels of fused.py.
+Given a fused op from the backend table (kernels/backend.py; the Triton backend has them, in
+kernels/fused.py), the element-wise steps run as that kernel instead of the torch ops here.
 """
 
 from __future__ import annotations
@@ -12,18 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _fused(name: str):
-    from radixkv.models import fused  # imports triton: only models built for the Triton backend
-
-    return getattr(fused, name)
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, fused: bool = False):
+    def __init__(self, dim: int, eps: float, add_norm=None):
+        """add_norm: a fused add_rms_norm (kernels/fused.py) for add_forward; None: torch ops."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
-        self._add_norm = _fused("add_rms_norm") if fused else None
+        self._add_norm = add_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 and scale in the model dtype, the order HF uses (bit-for-bit in fp32)
@@ -83,9 +79,10 @@ def merged_shards(names: list[str], sizes: list[int]) -> dict:
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, fused: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, silu_mul=None):
+        """silu_mul: a fused silu(gate) * up (kernels/fused.py); None: torch ops."""
         super().__init__()
-        self._silu_mul = _fused("silu_mul") if fused else None
+        self._silu_mul = silu_mul
         shards = merged_shards(["gate_proj", "up_proj"], [intermediate, intermediate])
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, shards)
         self.down_proj = Linear(intermediate, hidden, bias)

@@ -8,12 +8,15 @@ Variants are config flags, set per family in config.py:
 
 The forward runs over a flattened variable-length batch: input_ids and positions are [T],
 attention reads and writes the paged KV cache through AttentionMetadata. No padding.
-With the Triton backend the element-wise steps are fused (fused.py): the residual add goes
-into the next RMSNorm, RoPE rotates q and k in place in the qkv projection's output (no
-copies of q, k, v), and silu(gate) * up is one kernel.
+The kernels come from the backend table (kernels/backend.py, KernelOps) the model is built
+with. Where it has fused element-wise ops (the Triton backend, kernels/fused.py) the residual
+add goes into the next RMSNorm, RoPE rotates q and k in place in the qkv projection's output
+(no copies of q, k, v), and silu(gate) * up is one kernel.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,16 +26,16 @@ from radixkv.models.config import ModelConfig
 from radixkv.models.layers import GatedMLP, Linear, RMSNorm, linear, merged_shards
 from radixkv.models.rope import RotaryEmbedding, apply_rope
 
+if TYPE_CHECKING:
+    from kernels.backend import KernelOps
+
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps):
         super().__init__()
         # in-place fused RoPE needs q and k as they leave the projection (no per-head norm first)
-        self.fused_rope = backend == "triton" and not cfg.qk_norm
-        if self.fused_rope:
-            from radixkv.models.fused import rope_qk_
-
-            self._rope = rope_qk_
+        self._rope = ops.rope_qk_
+        self.fused_rope = ops.rope_qk_ is not None and not cfg.qk_norm
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = h * d, kvh * d
         shards = merged_shards(["q_proj", "k_proj", "v_proj"], [self.q_size, self.kv_size, self.kv_size])
@@ -42,7 +45,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.attn = PagedAttention(h, kvh, d, backend)
+        self.attn = PagedAttention(h, kvh, d, ops)
 
     def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata) -> torch.Tensor:
         """rope: (positions, cos table, sin table) when fused_rope, else gathered (cos, sin)."""
@@ -66,13 +69,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps):
         super().__init__()
-        fused = backend == "triton"
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, fused)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.add_rms_norm)
+        self.self_attn = Attention(cfg, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.add_rms_norm)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops.silu_mul)
 
     def forward(self, x, residual, rope, meta):
         """(this layer's MLP output, the residual stream before it); their sum is the layer's output."""
@@ -82,11 +84,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str, max_positions: int):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(cfg, max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -102,9 +104,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str = "torch", max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, backend: KernelOps | str = "torch", max_positions: int | None = None):
+        """backend: the kernel table (kernels.backend.ops_for), or a backend name to look up."""
         super().__init__()
+        if isinstance(backend, str):
+            from kernels.backend import ops_for
+
+            backend = ops_for(backend, torch.get_default_device())
         self.config = cfg
+        self.ops = backend
         self.model = LlamaModel(cfg, backend, max_positions or cfg.max_model_len)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

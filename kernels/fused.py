@@ -10,7 +10,9 @@ chunk of 8k tokens each of them re-reads the activations. Three kernels replace 
 
 Each rounds where HF's eager code rounds (the residual sum, the normalised value before the
 weight, cos/sin to the model dtype, silu before the product), computing in fp32 between.
-The pure-torch functions beside them are the reference (and the CPU path of the decoder).
+The pure-torch functions beside them are the reference (the CPU path of the decoder,
+radixkv/models/layers.py and rope.py, computes the same in torch ops); kernels/backend.py puts
+the kernels in the Triton backend's table.
 """
 
 from __future__ import annotations

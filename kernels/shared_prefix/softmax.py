@@ -1,5 +1,5 @@
 """Online-softmax steps over paged K/V and the log-sum-exp merge of partial results, shared
-by the shared-prefix decode programs (kernels/shared_prefix_triton.py).
+by the shared-prefix decode programs (kernels/shared_prefix/triton.py).
 
 Partial results are (o, lse): o normalised over its part of the context, lse the
 log2-sum-exp2 of that part's scaled scores (-inf when the part is empty). Merging

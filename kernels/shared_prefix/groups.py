@@ -1,5 +1,5 @@
 """Prefix groups for shared-prefix decode: which sequences of a batch share which leading
-blocks, as flat tensors a kernel can read (see kernels/shared_prefix.py for the API).
+blocks, as flat tensors a kernel can read (see kernels/shared_prefix/decode.py for the API).
 
 A group is one node of the sharing tree: a run of shared physical blocks (a segment) and
 the batch rows that hold it. A row may sit in several groups, one per level (system
@@ -51,13 +51,16 @@ class PrefixGroups:
         return replace(self, **move)
 
     def padded(self, *, num_groups, num_members, num_levels, max_members=None,
-               max_shared_len=None) -> "PrefixGroups":
+               max_shared_len=None, batch=None) -> "PrefixGroups":
         """The same sharing in fixed shapes, for a captured CUDA graph: extra groups hold no
         tokens, extra member slots sit in the last extra group and no row names them, extra
-        levels are -1. Host bounds may only grow. Runs on the tensors' device, no sync."""
-        g, m, lv = self.num_groups, self.members.shape[0], self.num_levels
+        levels are -1; batch (default: this one's) adds rows that share nothing and are private
+        from token 0 (a graph's padding rows). Host bounds may only grow. Runs on the tensors'
+        device, no sync."""
+        g, m, lv, b = self.num_groups, self.members.shape[0], self.num_levels, self.batch
+        batch = b if batch is None else batch
         for name, v, lo in (("num_groups", num_groups, g), ("num_members", num_members, m),
-                            ("num_levels", num_levels, lv)):
+                            ("num_levels", num_levels, lv), ("batch", batch, b)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 _fail(name, f"expected an int >= {lo} (the current size), got {v!r}")
         if num_members > m and num_groups == g:
@@ -77,10 +80,15 @@ class PrefixGroups:
         cu[-1] = num_members
         members = torch.zeros(num_members, dtype=_I32, device=dev)
         members[:m] = self.members
-        slots = torch.full((self.batch, num_levels), -1, dtype=_I32, device=dev)
-        slots[:, :lv] = self.seq_slots
+        slots = torch.full((batch, num_levels), -1, dtype=_I32, device=dev)
+        slots[:b, :lv] = self.seq_slots
+        pstart = self.private_start
+        if batch > b:
+            pstart = torch.zeros(batch, dtype=_I32, device=dev)
+            pstart[:b] = self.private_start
         return replace(self, block_tables=tab, shared_lens=lens, cu_members=cu, members=members,
-                       seq_slots=slots, max_members=bounds["max_members"][0] or bounds["max_members"][1],
+                       seq_slots=slots, private_start=pstart,
+                       max_members=bounds["max_members"][0] or bounds["max_members"][1],
                        max_shared_len=bounds["max_shared_len"][0] or bounds["max_shared_len"][1])
 
     @classmethod

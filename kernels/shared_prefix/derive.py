@@ -12,7 +12,7 @@ long as the largest block id in use."""
 
 import torch
 
-from kernels.shared_prefix_groups import PrefixGroups
+from kernels.shared_prefix.groups import PrefixGroups
 
 _I32 = torch.int32
 

@@ -13,7 +13,7 @@ API
 - q [B, H, d]: one decode query per sequence; k_cache / v_cache [num_blocks, block_size,
   kv_heads, d]; block_tables [B, max_blocks] int32 (each row the sequence's whole table);
   seq_lens [B] int32, context including the new token (as in kernels.paged_attention).
-- groups (PrefixGroups, kernels/shared_prefix_groups.py): the sharing tree as tensors.
+- groups (PrefixGroups, kernels/shared_prefix/groups.py): the sharing tree as tensors.
   A group is a segment of shared blocks (block_tables [G, max_shared_blocks], shared_lens
   [G] tokens) and its member rows (members [M], CSR by cu_members [G + 1]). Row b holds
   one member slot per level (seq_slots [B, levels], -1 = none; levels nest: system prompt
@@ -53,12 +53,8 @@ import triton.language as tl
 
 from kernels.attention_config import num_sms
 from kernels.runtime import ensure_runnable, next_pow2
-from kernels.shared_prefix_derive import derive_groups
-from kernels.shared_prefix_groups import PrefixGroups, check_decode
-from kernels.shared_prefix_triton import _cascade_kernel, _combine_kernel
-
-__all__ = ["PrefixGroups", "SharedPrefixConfig", "derive_groups", "shared_prefix_decode",
-           "shared_prefix_decode_ref"]
+from kernels.shared_prefix.groups import check_decode
+from kernels.shared_prefix.triton import _cascade_kernel, _combine_kernel
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32

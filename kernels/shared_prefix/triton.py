@@ -1,11 +1,11 @@
-"""Triton kernels of shared-prefix decode (host side: kernels/shared_prefix.py): the shared
+"""Triton kernels of shared-prefix decode (host side: kernels/shared_prefix/decode.py): the shared
 and private programs, the launch that holds both, and the merge of their partials.
 """
 
 import triton
 import triton.language as tl
 
-from kernels.shared_prefix_softmax import _attend, _attend_step, _finish, _merge
+from kernels.shared_prefix.softmax import _attend, _attend_step, _finish, _merge
 
 
 @triton.jit
