@@ -20,11 +20,12 @@ def measure(model_dir: str, groups: int, per_group: int, prefix: int, question: 
             max_num_seqs: int) -> dict:
     from benchmarks.workloads import generated_shared_prefix
     from radixkv.engine.batch import build_batch
-    from radixkv.engine.block_tables import PrefixGroupCache
     from radixkv.engine.config import EngineConfig
-    from radixkv.engine.cuda_graph import MIN_SHARED_BATCH, capture_sizes, shared_graph_key, start_up_shared_keys
+    from radixkv.engine.cuda_graph import capture_sizes
     from radixkv.engine.engine import Engine
     from radixkv.engine.sampling_params import SamplingParams
+    from radixkv.engine.shared_prefix import (MIN_SHARED_BATCH, PrefixGroupCache, shared_graph_key,
+                                              start_up_shared_keys)
 
     w = generated_shared_prefix(groups, per_group, prefix, question, output)
     per_seq = -(-(prefix + question + output) // 16)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from radixkv.engine.block_tables import PrefixGroupCache
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.cuda_graph import DecodeGraphs
 from radixkv.engine.engine import Engine
 from radixkv.engine.sampling_params import SamplingParams
+from radixkv.engine.shared_prefix import PrefixGroupCache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BS = 4  # block size of these tests
@@ -96,7 +96,7 @@ def test_group_cache_derives_when_the_batch_changes_and_only_if_it_pays():
 def test_padded_graph_inputs_attend_like_the_unpadded_groups():
     from kernels.reference import paged_attention_ref
     from kernels.shared_prefix import PrefixGroups, derive_groups, shared_prefix_decode
-    from radixkv.engine.cuda_graph import LEVELS, pad_groups
+    from radixkv.engine.shared_prefix import LEVELS, pad_groups
 
     g = torch.Generator().manual_seed(0)
     # 5 rows: rows 0-3 share blocks 1-3, rows 0-1 also 4-5 (two levels), row 4 shares nothing

@@ -5,12 +5,11 @@ and touch no sequence's KV. The block table width is fixed at the model length. 
 writes its logits into one static buffer (no per-graph output held in the pool).
 
 With shared-prefix attention, a batch whose rows share cached blocks replays a graph whose
-attention reads each shared segment once per group. Its prefix groups are padded to fixed
-shapes (PrefixGroups.padded's layout): up to `groups` groups (bucketed), 2 levels, 2 member
-slots per row, and `splits` KV splits of 1,024 shared tokens (bucketed; the last split runs
-to the end, so a longer segment stays correct). Graphs for one group and one split are
-captured at start for every size from `min_shared_batch` up, and for the largest size with
-every split count (so every kernel variant compiles at start); other shapes when first seen.
+attention reads each shared segment once per group. Graphs are keyed by GraphKey (batch,
+groups, splits); the shapes, the padded group layout and the static group inputs live in
+radixkv/engine/shared_prefix.py. Graphs for one group and one split are captured at start for
+every size from `min_shared_batch` up, and for the largest size with every split count (so
+every kernel variant compiles at start); other shapes when first seen.
 """
 
 from __future__ import annotations
@@ -19,20 +18,14 @@ import bisect
 import logging
 import time
 
-import numpy as np
 import torch
 
 from radixkv.engine.batch import Batch
+from radixkv.engine.shared_prefix import (MAX_SHARED_GRAPHS, MIN_SHARED_BATCH, GraphGroups, GraphKey,
+                                          shared_graph_key, start_up_shared_keys)
 from radixkv.models.attention import AttentionMetadata
 
 logger = logging.getLogger("radixkv.engine")
-
-GROUP_BUCKETS = (1, 4, 16, 64)  # shared graphs exist for up to this many groups (bucketed)
-SPLIT_BUCKETS = (1, 2, 4, 8)  # KV splits of the shared segments (bucketed)
-SPLIT_TOKENS = 1024  # shared tokens per split: SharedPrefixConfig().shared_split_len
-LEVELS = 2  # sharing levels per row (system prompt -> few-shot examples)
-MAX_SHARED_GRAPHS = 48  # beyond this many shapes, batches fall back to the plain graphs
-MIN_SHARED_BATCH = 64  # smaller decode batches replay the plain graphs
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -40,35 +33,6 @@ def capture_sizes(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
-
-
-def _bucket(value: int, buckets: tuple[int, ...]) -> int | None:
-    i = bisect.bisect_left(buckets, value)
-    return buckets[i] if i < len(buckets) else None
-
-
-def shared_graph_key(n: int, groups, sizes: list[int], min_shared_batch: int, max_blocks: int) -> tuple | None:
-    """(batch size, groups, splits): the shape of the shared-prefix graph that a decode batch of
-    n rows with these (CPU) groups replays, or None when it takes the plain graph."""
-    bs = sizes[bisect.bisect_left(sizes, n)]
-    if groups is None or bs < min_shared_batch or groups.num_levels > LEVELS:
-        return None
-    g = _bucket(groups.num_groups, GROUP_BUCKETS)
-    if g is None or groups.block_tables.shape[1] > max_blocks:
-        return None
-    splits = _bucket(-(-groups.max_shared_len // SPLIT_TOKENS), SPLIT_BUCKETS) or SPLIT_BUCKETS[-1]
-    return (bs, g, splits)
-
-
-def start_up_shared_keys(sizes: list[int], min_shared_batch: int) -> list[tuple]:
-    """The shared-prefix graph shapes captured at start, largest first: one group and one
-    split for every size from min_shared_batch up, and the largest size with every split
-    count (the split count is the one shape the kernels compile for: every variant compiles
-    at start, not inside a served step)."""
-    if sizes[-1] < min_shared_batch:
-        return []
-    keys = [(bs, GROUP_BUCKETS[0], SPLIT_BUCKETS[0]) for bs in reversed(sizes) if bs >= min_shared_batch]
-    return keys + [(sizes[-1], GROUP_BUCKETS[0], s) for s in SPLIT_BUCKETS[1:]]
 
 
 class DecodeGraphs:
@@ -88,52 +52,37 @@ class DecodeGraphs:
         cfg = model.config
         dtype = model.model.embed_tokens.weight.dtype
         self.logits = torch.empty(n, cfg.vocab_size, dtype=dtype, **kw)
-        self.graphs: dict = {}  # bs -> plain graph; (bs, groups, splits) -> shared-prefix graph
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.shared_prefix = shared_prefix
         self.min_shared_batch = min_shared_batch
         self.num_shared_captures = 0
         self.shared_capture_s = 0.0  # wall time of shared-prefix captures made while serving
         self.last_shared = False  # whether the last replay was a shared-prefix graph
-        if shared_prefix:  # static prefix-group inputs; the "no sharing" content is all zeros
-            g = GROUP_BUCKETS[-1] + 1  # + the padding group that holds unused member slots
-            self.g_tables = torch.zeros(g, max_blocks, dtype=torch.int32, **kw)
-            self.g_lens = torch.zeros(g, dtype=torch.int32, **kw)
-            self.g_cu = torch.zeros(g + 1, dtype=torch.int32, **kw)
-            self.g_members = torch.zeros(LEVELS * n, dtype=torch.int32, **kw)
-            self.g_slots = torch.full((n, LEVELS), -1, dtype=torch.int32, **kw)
-            self.g_pstart = torch.zeros(n, dtype=torch.int32, **kw)
-            self._filled = None  # (groups, n, key) whose content the static inputs hold
+        self.group_inputs = GraphGroups(n, max_blocks, device) if shared_prefix else None
+        self._filled = None  # (groups, n, key) whose content the static group inputs hold
         self._pool = None  # one memory pool for every graph, made at the first capture
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
-            self._capture(bs)
+            self._capture(GraphKey(bs))
         if shared_prefix:
             for key in start_up_shared_keys(self.sizes, min_shared_batch):
                 self._capture(key)
 
     # ---- capture ------------------------------------------------------------------------
-    def _meta(self, key) -> AttentionMetadata:
-        bs = key if isinstance(key, int) else key[0]
+    def _meta(self, key: GraphKey) -> AttentionMetadata:
+        bs = key.batch
         meta = AttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.cu_seqlens_q[: bs + 1],
                                  self.seq_lens[:bs], max_seqlen_q=1)
-        if not isinstance(key, int):
-            from kernels.shared_prefix import PrefixGroups
-
-            _, groups, splits = key
-            meta.prefix_groups = PrefixGroups(
-                block_tables=self.g_tables[: groups + 1], shared_lens=self.g_lens[: groups + 1],
-                cu_members=self.g_cu[: groups + 2], members=self.g_members[: LEVELS * bs],
-                seq_slots=self.g_slots[:bs], private_start=self.g_pstart[:bs],
-                # host bounds that size the grid: every member slot of the batch sizes, and the splits
-                max_members=LEVELS * self.sizes[-1], max_shared_len=splits * SPLIT_TOKENS)
+        if key.shared:
+            meta.prefix_groups = self.group_inputs.view(key)
         return meta
 
-    def _run(self, key) -> None:
-        bs = key if isinstance(key, int) else key[0]
+    def _run(self, key: GraphKey) -> None:
+        bs = key.batch
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(key))
         self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
-    def _capture(self, key) -> None:
+    def _capture(self, key: GraphKey) -> None:
         # The warm-up runs on whatever the static inputs hold: at start "nothing" (slots -1,
         # one token of block 0, no groups); later the current batch, which the replay recomputes.
         self._run(key)  # Triton compiles, cuBLAS picks algorithms: outside the graph
@@ -145,7 +94,7 @@ class DecodeGraphs:
             self._run(key)
         torch.cuda.synchronize()
         self.graphs[key] = graph
-        if not isinstance(key, int):
+        if key.shared:
             self.num_shared_captures += 1
 
     # ---- replay -------------------------------------------------------------------------
@@ -156,13 +105,13 @@ class DecodeGraphs:
             and batch.block_tables.shape[1] <= self.max_blocks
         )
 
-    def shared_key(self, n: int, groups) -> tuple | None:
-        """The graph for a batch of n rows with these (CPU) groups, or None: the plain one."""
-        if not self.shared_prefix:
-            return None
-        key = shared_graph_key(n, groups, self.sizes, self.min_shared_batch, self.max_blocks)
-        if key is not None and key not in self.graphs and self.num_shared_captures >= MAX_SHARED_GRAPHS:
-            return None
+    def key(self, n: int, groups) -> GraphKey:
+        """The graph for a batch of n rows with these (CPU) groups: a shared-prefix one, or the
+        plain one of its size."""
+        key = shared_graph_key(n, groups, self.sizes, self.min_shared_batch, self.max_blocks) \
+            if self.shared_prefix else None
+        if key is None or (key not in self.graphs and self.num_shared_captures >= MAX_SHARED_GRAPHS):
+            return GraphKey(self.sizes[bisect.bisect_left(self.sizes, n)])
         return key
 
     def run(self, batch: Batch, groups=None) -> torch.Tensor:
@@ -179,50 +128,16 @@ class DecodeGraphs:
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(1)
             self.positions[n:bs].zero_()
-        key = self.shared_key(n, groups)
-        if key is not None:
-            self._fill_groups(groups, n, key)
+        key = self.key(n, groups)
+        if key.shared:
+            if self._filled is None or self._filled[0] is not groups or self._filled[1:] != (n, key):
+                self.group_inputs.fill(groups, key)
+                self._filled = (groups, n, key)
             if key not in self.graphs:
                 logger.info("capturing a shared-prefix decode graph for batch %d, %d groups, %d splits", *key)
                 t0 = time.perf_counter()
                 self._capture(key)
                 self.shared_capture_s += time.perf_counter() - t0
-        self.graphs[bs if key is None else key].replay()
-        self.last_shared = key is not None
+        self.graphs[key].replay()
+        self.last_shared = key.shared
         return self.logits[:n]
-
-    def _fill_groups(self, groups, n: int, key: tuple) -> None:
-        """Static group inputs <- `groups` in the graph's padded layout (skipped when they hold it)."""
-        if self._filled is not None and self._filled[0] is groups and self._filled[1:] == (n, key):
-            return
-        bs, g_pad, _ = key
-        padded = pad_groups(groups, n, bs, g_pad)
-        g, w = groups.num_groups, groups.block_tables.shape[1]
-        self.g_tables[:g, :w].copy_(groups.block_tables, non_blocking=True)
-        for dst, name in ((self.g_lens, "shared_lens"), (self.g_cu, "cu_members"), (self.g_members, "members"),
-                          (self.g_slots, "seq_slots"), (self.g_pstart, "private_start")):
-            src = padded[name]
-            dst[: src.shape[0]].copy_(torch.from_numpy(src), non_blocking=True)
-        self._filled = (groups, n, key)
-
-
-def pad_groups(groups, n: int, bs: int, num_groups: int) -> dict[str, np.ndarray]:
-    """The fields of `groups` (CPU, a batch of n rows) but its block tables, padded for a graph
-    of bs rows, num_groups groups + 1 padding group and LEVELS * bs member slots, laid out as
-    PrefixGroups.padded lays them: extra groups are empty, the last holds the unused member
-    slots (no row names them), extra levels and padding rows are -1, padding rows private."""
-    g, lv = groups.num_groups, groups.num_levels
-    m, m_pad = groups.members.shape[0], LEVELS * bs
-    assert g <= num_groups and lv <= LEVELS and m <= m_pad and n <= bs
-    cu = np.full(num_groups + 2, m, np.int32)
-    cu[: g + 1] = groups.cu_members.numpy()
-    cu[-1] = m_pad
-    lens = np.zeros(num_groups + 1, np.int32)
-    lens[:g] = groups.shared_lens.numpy()
-    members = np.zeros(m_pad, np.int32)
-    members[:m] = groups.members.numpy()
-    slots = np.full((bs, LEVELS), -1, np.int32)
-    slots[:n, :lv] = groups.seq_slots.numpy()
-    pstart = np.zeros(bs, np.int32)
-    pstart[:n] = groups.private_start.numpy()
-    return {"shared_lens": lens, "cu_members": cu, "members": members, "seq_slots": slots, "private_start": pstart}

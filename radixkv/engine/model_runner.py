@@ -2,9 +2,11 @@
 
 A step: COW block copies first (a sample about to write into a block it shared gets its own
 copy before anyone writes), then the forward over the flattened batch, then the logits of
-the rows that sample. Decode batches replay CUDA graphs on the GPU. With the Triton backend,
-a decode batch whose rows share enough cached prefix blocks attends with shared-prefix
-attention (each shared block read once per group); its groups come from the block tables.
+the rows that sample. Decode batches replay CUDA graphs on the GPU. The kernels are the
+backend table's (kernels/backend.py), chosen once here and handed to the model at load. When
+the table asks for prefix groups (Triton), a decode batch whose rows share enough cached prefix
+blocks attends with shared-prefix attention (each shared block read once per group); its
+groups come from the block tables (radixkv/engine/shared_prefix.py).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import numpy as np
 import torch
 
 from radixkv.engine.batch import Batch, build_batch
-from radixkv.engine.block_tables import BlockTables, PrefixGroupCache
+from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.config import EngineConfig
+from radixkv.engine.shared_prefix import PrefixGroupCache, max_private_len
 from radixkv.engine.sequence import Sequence
 from radixkv.models.attention import AttentionMetadata
 from radixkv.models.config import ModelConfig
@@ -212,7 +215,7 @@ class ModelRunner:
         )
         if dev_groups is not None:
             meta.prefix_groups = dev_groups
-            meta.max_private_len = int((batch.seq_lens - groups.private_start.numpy()).max())
+            meta.max_private_len = max_private_len(groups, batch.seq_lens)
         hidden = self.model(self._tensor(batch.input_ids), self._tensor(batch.positions), meta)
         if not batch.sample_seqs:
             return None
