@@ -29,16 +29,21 @@ class EngineConfig:
     hash_algo: str = "sha256"
     hash_seed: int = 0
     enable_cache_events: bool = False
-    attention_backend: str = "auto"  # auto: "triton" on cuda, "torch" on cpu; "reference": the per-sequence oracle
+    attention_backend: str = "auto"  # kernels/backend.py; auto: "triton" on cuda, "torch" on cpu
     enforce_eager: bool = False  # no CUDA graphs
     max_cuda_graph_batch: int = 256  # decode batches up to this size replay captured graphs
     # Decode rows that share cached prefix blocks read them once per step for the whole group
-    # (kernels/shared_prefix.py). Applies with the Triton backend (the default on CUDA), when
-    # the batch's groups skip at least shared_prefix_min_saved_tokens KV tokens per layer.
-    # On an H200 (Llama-3-8B shape, bf16) its logits match the plain kernel's within bf16
-    # tolerance (tests/test_engine_gpu.py) and the shared-prompt workload runs 1.24x faster.
+    # (kernels/shared_prefix/, radixkv/engine/shared_prefix.py). Applies with the backends whose
+    # table asks for prefix groups (Triton, the default on CUDA), when the batch's groups skip at
+    # least shared_prefix_min_saved_tokens KV tokens per layer. On an H200 (Llama-3-8B shape,
+    # bf16) its logits match the plain kernel's within bf16 tolerance (tests/test_engine_gpu.py);
+    # 256 requests of 1,024 shared + 128 own prompt tokens ran 1.24x faster in that test
+    # (benchmarks/results/gpu_tests.log, 2026-11-29) and gave 1.15x the output tok/s in
+    # `python -m benchmarks.throughput` (benchmarks/results/throughput.md).
     enable_shared_prefix_attention: bool = True
-    shared_prefix_min_saved_tokens: int = 65536  # measured break-even on an H200: ~64k tokens
+    # on an H200 small groups (16 rows) ran slower than the plain kernel; the engine shares only
+    # where >= 64k KV-token reads per layer are skipped (benchmarks/results/shared_prefix.md)
+    shared_prefix_min_saved_tokens: int = 65536
     check_invariants: bool = True  # check the cache's invariants whenever the engine goes idle
 
     def __post_init__(self):
