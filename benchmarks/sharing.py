@@ -34,7 +34,7 @@ def measure(model_dir: str, kind: str, k: int, num_requests: int, short: bool) -
     outs = []
     while e.has_unfinished_requests():
         outs += [o for o in e.step() if o.finished]
-    assert e.metrics()["preemptions"] == 0, "a preemption would distort the accounting: give the pool more blocks"
+    assert e.metrics().preemptions == 0, "a preemption would distort the accounting: give the pool more blocks"
     held = sum(o.block_steps_held for o in outs)
     without = sum(o.block_steps_without_sharing for o in outs)
     return 1 - held / without

@@ -82,7 +82,7 @@ def test_random_mixes_finish_and_never_preempt_beams(tiny_llama_dir, reqs, num_b
             assert scores == sorted(scores, reverse=True)
     beams = [rid for rid, kind, *_ in accepted if kind.startswith("beam")]
     event(f"beam requests: {'2 or more' if len(beams) >= 2 else len(beams)}")
-    event(f"preempted: {e.metrics()['preemptions'] > 0}")
+    event(f"preempted: {e.metrics().preemptions > 0}")
     event(f"a beam stopped early: {any(c.finish_reason == 'stop' for r in beams for c in finished[r].outputs)}")
     assert e.cache.stats().in_use_blocks == 0 and e.scheduler.beam_blocks == 0
     assert not e.scheduler.running and not e.scheduler.waiting

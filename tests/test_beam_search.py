@@ -120,7 +120,7 @@ def test_beam_search_equals_hf_generate(fixture, W, request, hf_models):
     _assert_same(out, ([ref[0][0]], [ref[1][0]], ref[2]), 1.0)  # n = 1: the best only
     assert len(out.outputs[0].token_ids) >= 3
     m = llm.engine.metrics()
-    assert m["cache"]["in_use_blocks"] == 0 and m["running"] == 0
+    assert m.cache.in_use_blocks == 0 and m.running == 0
     assert llm.engine.scheduler.beam_blocks == 0
     llm.engine.cache.check_invariants()
 
@@ -157,10 +157,10 @@ def test_beams_share_blocks_through_forks(tiny_llama_dir):
     assert out.num_computed_prompt_tokens == len(prompt)
     # histories are shared, not copied: copy-on-write only ever copies a beam's partial last block
     m = e.metrics()
-    steps_after_prompt = m["steps"] - 1
-    assert m["cache"]["copy_on_write_blocks"] <= (W - 1) * steps_after_prompt
-    assert m["computed_tokens"] == len(prompt) + W * 15
-    assert m["cache"]["in_use_blocks"] == 0 and e.scheduler.beam_blocks == 0
+    steps_after_prompt = m.steps - 1
+    assert m.cache.copy_on_write_blocks <= (W - 1) * steps_after_prompt
+    assert m.computed_tokens == len(prompt) + W * 15
+    assert m.cache.in_use_blocks == 0 and e.scheduler.beam_blocks == 0
 
 
 def test_beam_request_in_the_same_batches_as_others(tiny_llama_dir):
@@ -203,7 +203,7 @@ def test_beams_are_not_preempted_and_admission_keeps_their_worst_case(tiny_llama
         seen.append(sum(1 for s in eng.scheduler.running if s.request.beam is not None))
 
     got = run_engine(e, on_step=check)
-    assert e.metrics()["preemptions"] > 0
+    assert e.metrics().preemptions > 0
     assert max(seen) == 4  # never both beam requests at once (4 + 3 beams)
     for i, (p, sp) in enumerate(beams + others):
         ref = _alone(tiny_llama_dir, p, sp)

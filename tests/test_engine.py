@@ -46,7 +46,7 @@ def test_n_samples_share_the_prompt_and_equal_seeded_singles(tiny_llama_dir):
     assert [c.index for c in out.outputs] == [0, 1, 2]
     stats = e.cache.stats()
     assert stats.copy_on_write_blocks >= 2  # two of the three holders of the partial block copy it
-    assert e.metrics()["computed_tokens"] == len(prompt) + 3 * 7  # prompt once, then 7 decodes per sample
+    assert e.metrics().computed_tokens == len(prompt) + 3 * 7  # prompt once, then 7 decodes per sample
     singles = _engine(tiny_llama_dir)
     for i in range(3):
         singles.add_request(f"s{i}", prompt, SamplingParams(seed=11 + i, max_tokens=8, temperature=1.0))

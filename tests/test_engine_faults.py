@@ -233,7 +233,7 @@ def test_a_fault_fails_only_its_request(tiny_llama_dir, reference, monkeypatch, 
     bad = final[BAD]
     assert bad.finished and len(bad.outputs) == bad_params.n
     assert all(c.finish_reason == "error" for c in bad.outputs)
-    assert e.counters["requests_failed"] == 1
+    assert e.counters.requests_failed == 1
     others = [rid for rid, *_ in _workload(bad_params) if rid != BAD]
     assert _tokens(final, others) == _tokens(reference(bad_params, bad_at), others)
     assert all(c.finish_reason == "length" for rid in others for c in final[rid].outputs)
@@ -258,10 +258,10 @@ def test_a_copy_on_write_runs_again_only_with_its_sequence(tiny_llama_dir):
         def execute_and_note(scheduled, tables, rows, copy_ops):
             first_write = any(s.request.request_id == "pair" and s.num_output_tokens == 1 for s, _ in scheduled)
             if fault and first_write and "at" not in step:
-                step["at"] = e.counters["steps"]
+                step["at"] = e.counters.steps
                 fired.append(len(copy_ops))
             # the request at fault fails in every attempt at that step
-            step["fail"] = step.get("at") == e.counters["steps"] and any(s.request.request_id == BAD
+            step["fail"] = step.get("at") == e.counters.steps and any(s.request.request_id == BAD
                                                                          for s, _ in scheduled)
             return execute(scheduled, tables, rows, copy_ops)
 
@@ -301,7 +301,7 @@ def test_a_fault_in_every_step_fails_everyone_and_the_engine_lives(tiny_llama_di
     final = _run(e, workload)
     assert set(final) == {rid for rid, *_ in workload}
     assert all(c.finish_reason == "error" for out in final.values() for c in out.outputs)
-    assert e.counters["requests_failed"] == len(workload)
+    assert e.counters.requests_failed == len(workload)
     _assert_settled(e)
     broken[0] = False
     again = [(f"{rid}-again", prompt, params, at) for rid, prompt, params, at in workload]
@@ -325,7 +325,7 @@ def test_a_failure_only_the_whole_batch_meets_fails_no_request(tiny_llama_dir, r
     e.runner.execute = execute_or_oom
     workload = _workload(_greedy(10))
     final = _run(e, workload)
-    assert failures and e.counters["requests_failed"] == 0
+    assert failures and e.counters.requests_failed == 0
     rids = [rid for rid, *_ in workload]
     assert _tokens(final, rids) == _tokens(reference(_greedy(10)), rids)
     _assert_settled(e)
@@ -413,7 +413,7 @@ def test_huge_top_k_with_top_p_is_off_and_batches_with_others(tiny_llama_dir):
     for rid, p in mixed:
         e.add_request(rid, prompt, p)
     got = _run(e, [])
-    assert e.counters["requests_failed"] == 0
+    assert e.counters.requests_failed == 0
     assert all(got[rid].outputs[0].finish_reason in ("stop", "length") for rid, _ in mixed)
     alone = _engine(tiny_llama_dir)
     alone.add_request("off", prompt, SamplingParams(top_p=0.5, seed=1, max_tokens=6))  # top_k off
@@ -429,7 +429,7 @@ def test_beam_search_with_extreme_length_penalties_completes(tiny_llama_dir, len
                                                         length_penalty=length_penalty, stop_token_ids=stop))
     e.add_request("other", _prompt(8, 5), _greedy(6))
     got = _run(e, [])
-    assert e.counters["requests_failed"] == 0
+    assert e.counters.requests_failed == 0
     assert [c.finish_reason in ("stop", "length") for c in got["beam"].outputs] == [True] * 3
     _assert_settled(e)
 

@@ -340,7 +340,7 @@ def _workload(e, num_requests, attention):
     system = [_token(rng) for _ in range(1024)]
     prompts = [system + [_token(rng) for _ in range(128)] for _ in range(num_requests)]
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    before = dict(e.metrics())
+    before = e.metrics()
     _sync()
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -362,8 +362,8 @@ def _workload(e, num_requests, attention):
     cached = sum(o.num_cached_tokens for o in finished.values())
     _report("shared_prompt_workload", attention=attention, requests=num_requests, seconds=elapsed,
             output_tokens=produced, output_tok_per_s=produced / elapsed, first_token_s=first_token_at, steps=steps,
-            computed_tokens=m["computed_tokens"] - before["computed_tokens"], cached_prompt_tokens=cached,
-            preemptions=m["preemptions"] - before["preemptions"], num_blocks=e.num_blocks, shared_steps=shared_steps)
+            computed_tokens=m.computed_tokens - before.computed_tokens, cached_prompt_tokens=cached,
+            preemptions=m.preemptions - before.preemptions, num_blocks=e.num_blocks, shared_steps=shared_steps)
     assert len(finished) == num_requests and produced == num_requests * 128
     assert cached >= (num_requests - 16) * 1024
     if e.runner.prefix_groups is not None:  # the decode steps of the full batch share the prompt
@@ -390,4 +390,4 @@ def test_tiny_greedy_equals_hf_on_gpu(tiny_llama_dir, enforce_eager):
         ref = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
                for p in prompts]
     assert [o.outputs[0].token_ids for o in outs] == ref
-    assert llm.engine.metrics()["preemptions"] > 0
+    assert llm.engine.metrics().preemptions > 0

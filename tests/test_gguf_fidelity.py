@@ -113,7 +113,7 @@ def test_tokenizer_and_chat_template_equal_hfs(llm, hf, prompts):
 
 
 def test_greedy_equals_hf_cache_cold_then_warm(llm, hf, prompts, reference):
-    cold_start = llm.engine.counters["prompt_tokens"] == 0
+    cold_start = llm.engine.counters.prompt_tokens == 0
     cold = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     _check_against_hf(cold, reference, hf[1], MAX_TOKENS)
     if cold_start:
@@ -130,8 +130,8 @@ def test_greedy_equals_hf_with_chunked_prefill_and_preemption(small_llm, hf, pro
     outs = small_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     _check_against_hf(outs, reference, hf[1], MAX_TOKENS)
     m = small_llm.engine.metrics()
-    assert m["preemptions"] > 0, m
-    assert m["running"] == m["waiting"] == 0 and m["cache"]["in_use_blocks"] == 0
+    assert m.preemptions > 0, m
+    assert m.running == m.waiting == 0 and m.cache.in_use_blocks == 0
     small_llm.engine.cache.check_invariants()
 
 
@@ -154,4 +154,4 @@ def test_longer_answers_equal_hf(llm, gguf_path, hf):
     for engine in (llm, preempting):
         outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48))
         _check_against_hf(outs, want, hf[1], 48)
-    assert preempting.engine.metrics()["preemptions"] > 0
+    assert preempting.engine.metrics().preemptions > 0

@@ -44,10 +44,10 @@ def test_greedy_equals_hf_generate_with_chunking_and_preemption(fixture, request
     for o, r in zip(outs, ref):
         assert o.outputs[0].finish_reason == ("length" if len(r) == MAX_TOKENS else "stop")
     m = llm.engine.metrics()
-    assert m["preemptions"] > 0, m
-    assert m["running"] == m["waiting"] == 0
+    assert m.preemptions > 0, m
+    assert m.running == m.waiting == 0
     llm.engine.cache.check_invariants()
-    assert m["cache"]["in_use_blocks"] == 0
+    assert m.cache.in_use_blocks == 0
 
 
 def test_prefix_cache_on_off_identical_and_hits_on_rerun(tiny_llama_dir):
@@ -66,7 +66,7 @@ def test_prefix_cache_on_off_identical_and_hits_on_rerun(tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     # the whole prompt's full blocks are cached now (capped so one token is computed)
     assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 4 * 4 for p in prompts]
-    assert on.engine.metrics()["cached_prompt_tokens"] > 0
+    assert on.engine.metrics().cached_prompt_tokens > 0
 
 
 def test_text_prompts_and_logprobs(tiny_llama_dir):

@@ -40,10 +40,10 @@ def test_samples_equal_seeded_singles_and_the_prompt_is_computed_once(tiny_llama
     assert [c.index for c in out.outputs] == list(range(n))
     assert out.num_computed_prompt_tokens == len(prompt)
     m = e.metrics()
-    assert m["computed_prompt_tokens"] == len(prompt)
-    assert m["computed_tokens"] == len(prompt) + n * (max_tokens - 1)
+    assert m.computed_prompt_tokens == len(prompt)
+    assert m.computed_tokens == len(prompt) + n * (max_tokens - 1)
     # three of the four holders of the partial prompt block copy it before writing
-    assert m["cache"]["copy_on_write_blocks"] == n - 1
+    assert m.cache.copy_on_write_blocks == n - 1
 
     singles = _engine(tiny_llama_dir, enable_prefix_caching=False)
     for i in range(n):
@@ -53,7 +53,7 @@ def test_samples_equal_seeded_singles_and_the_prompt_is_computed_once(tiny_llama
     assert len({tuple(c.token_ids) for c in out.outputs}) == n
     for i, c in enumerate(out.outputs):
         assert abs(c.cumulative_logprob - got[f"s{i}"].outputs[0].cumulative_logprob) < 1e-4
-    assert singles.metrics()["computed_prompt_tokens"] == n * len(prompt)
+    assert singles.metrics().computed_prompt_tokens == n * len(prompt)
 
     # peak: the step that computes each sample's last kept token (prompt + 7 tokens each)
     last = len(prompt) + max_tokens - 1
@@ -97,7 +97,7 @@ def test_samples_survive_preemption_and_the_recompute_is_counted(tiny_llama_dir)
         out = run_engine(tight)["r"]
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
         m = tight.metrics()
-        assert m["preemptions"] > 0 and m["cache"]["in_use_blocks"] == 0
+        assert m.preemptions > 0 and m.cache.in_use_blocks == 0
         assert out.blocks_held <= 14
         computed[caching] = out.num_computed_prompt_tokens
     # a preempted sample recomputes its prompt (counted: it is real work) unless it finds the

@@ -87,12 +87,12 @@ def test_offline_stop_string_ends_the_output_and_the_engine_request(llm, tokeniz
     ids = prompt_ids(tokenizer)
     full = llm.generate([ids], greedy())[0].outputs[0]
     stop, k = spanning_stop(tokenizer, full.token_ids)
-    before = llm.engine.metrics()["generation_tokens"]
+    before = llm.engine.metrics().generation_tokens
     out = llm.generate([ids], greedy(stop=["@@never@@", stop]))[0].outputs[0]
     assert out.text == full.text[: full.text.index(stop)]
     assert out.finish_reason == "stop"
     assert out.token_ids == full.token_ids[:k]  # up to the token that completed the stop string
-    assert llm.engine.metrics()["generation_tokens"] - before == k  # aborted: decoded no further
+    assert llm.engine.metrics().generation_tokens - before == k  # aborted: decoded no further
     assert not llm.engine.has_unfinished_requests()
     with_stop = llm.generate([ids], greedy(stop=stop, include_stop_str_in_output=True))[0].outputs[0]
     assert with_stop.text == full.text[: full.text.index(stop) + len(stop)]
@@ -111,7 +111,7 @@ def test_offline_stop_strings_with_n_samples(llm, tokenizer):
         else:
             assert (out.text, out.finish_reason, out.token_ids) == (ref.text, ref.finish_reason, ref.token_ids)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.metrics()["cache"]["in_use_blocks"] == 0
+    assert llm.engine.metrics().cache.in_use_blocks == 0
 
 
 def test_offline_stop_strings_need_a_valid_list(llm, tokenizer):

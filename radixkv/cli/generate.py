@@ -83,7 +83,7 @@ def main(args) -> int:
         if len(out.outputs) > 1 or out.blocks_held < out.blocks_without_sharing:
             print(f"--- KV blocks at peak: {out.blocks_held} held, {out.blocks_without_sharing} without sharing")
     m = llm.engine.metrics()
-    print(f"steps {m['steps']}, preemptions {m['preemptions']}, cached prompt tokens {m['cached_prompt_tokens']}",
+    print(f"steps {m.steps}, preemptions {m.preemptions}, cached prompt tokens {m.cached_prompt_tokens}",
           file=sys.stderr)
     return 0
 

@@ -34,6 +34,7 @@ from radixkv.engine.beam_search import BeamSearch, worst_case_blocks
 from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.errors import is_device_error
+from radixkv.engine.metrics import EngineCounters, EngineMetrics
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.outputs import CompletionOutput, RequestOutput, failed_output, request_output
 from radixkv.engine.sampler import Sampler, SamplerOutput
@@ -89,12 +90,7 @@ class Engine:
         self._news: dict[str, Request] = {}  # requests with outputs to report (aborts, between steps)
         self._failed: set[str] = set()  # of those, the ones the engine failed
         self._idle_checked = True
-        # computed_prompt_tokens: prompt positions computed (a prompt shared by n samples counts once);
-        # block_steps_*: finished requests' block accounting (RequestOutput), summed;
-        # requests_failed: requests the engine failed ("error"), among requests_finished
-        self.counters = dict(prompt_tokens=0, cached_prompt_tokens=0, generation_tokens=0, computed_tokens=0,
-                             computed_prompt_tokens=0, steps=0, requests_finished=0, requests_failed=0,
-                             block_steps_held=0, block_steps_without_sharing=0)
+        self.counters = EngineCounters()
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -108,7 +104,7 @@ class Engine:
         req.seqs.append(seq)
         self.scheduler.add(seq)  # registered last: an exception before leaves nothing behind
         self.requests[request_id] = req
-        self.counters["prompt_tokens"] += len(prompt_token_ids)
+        self.counters.prompt_tokens += len(prompt_token_ids)
         self._idle_checked = False
 
     def _beam_search(self, prompt_len: int, p: SamplingParams) -> BeamSearch:
@@ -147,7 +143,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One step; outputs of the requests that had news. Raises only what the engine cannot
         go on after (a device-level error, a broken cache invariant): see the NOTE above."""
-        failures = self.counters["requests_failed"]
+        failures = self.counters.requests_failed
         try:
             scheduled = self.scheduler.schedule().scheduled
         except Exception as exc:
@@ -157,7 +153,7 @@ class Engine:
             with torch.inference_mode():
                 self._run(scheduled)
         outputs = self._outputs()
-        if self.counters["requests_failed"] != failures:
+        if self.counters.requests_failed != failures:
             self._check_cache()
         if not self.scheduler.has_unfinished() and not self._idle_checked:
             self._idle_checked = True
@@ -171,7 +167,7 @@ class Engine:
             results = [self._compute(scheduled, copy_ops)]
         except Exception as exc:
             results = self._isolate(scheduled, copy_ops, exc)
-        self.counters["steps"] += 1
+        self.counters.steps += 1
         for result in results:
             self._apply(result)
 
@@ -306,8 +302,8 @@ class Engine:
                     multi[id(req)] = req
             except Exception as exc:
                 self._fail(req, exc)
-        self.counters["computed_tokens"] += num_tokens
-        self.counters["computed_prompt_tokens"] += prompt_computed
+        self.counters.computed_tokens += num_tokens
+        self.counters.computed_prompt_tokens += prompt_computed
         for req in multi.values():
             try:
                 req.record_blocks(self.cache, B)
@@ -317,7 +313,7 @@ class Engine:
     def _beam_step(self, req: Request, logprobs: torch.Tensor) -> None:
         beams = req.seqs
         step = req.beam.step(logprobs, beams)
-        self.counters["generation_tokens"] += len(beams)
+        self.counters.generation_tokens += len(beams)
         if step.done:
             for s in beams:
                 self.scheduler.finish(s, "stop")
@@ -351,7 +347,7 @@ class Engine:
         seq.cumulative_logprob += logprob
         if top is not None:
             seq.logprobs.append(top)
-        self.counters["generation_tokens"] += 1
+        self.counters.generation_tokens += 1
         self._news[seq.request.request_id] = seq.request
         p = seq.params
         reason = None
@@ -385,10 +381,10 @@ class Engine:
         if finished:
             self.requests.pop(req.request_id, None)
             c = self.counters
-            c["requests_finished"] += 1
-            c["cached_prompt_tokens"] += req.num_cached_tokens or 0
-            c["block_steps_held"] += req.sharing.block_steps_held
-            c["block_steps_without_sharing"] += req.sharing.block_steps_without_sharing
+            c.requests_finished += 1
+            c.cached_prompt_tokens += req.num_cached_tokens or 0
+            c.block_steps_held += req.sharing.block_steps_held
+            c.block_steps_without_sharing += req.sharing.block_steps_without_sharing
         return out
 
     # ---- failures -----------------------------------------------------------------------
@@ -413,7 +409,7 @@ class Engine:
         self.scheduler.discard(req, "error")
         self._failed.add(req.request_id)
         self._news[req.request_id] = req
-        self.counters["requests_failed"] += 1
+        self.counters.requests_failed += 1
 
     def _fail_unfinished(self, exc: Exception) -> None:
         """schedule() raised: what it changed before cannot be tied to one request, so every
@@ -435,15 +431,9 @@ class Engine:
             raise
 
     # ---- introspection ----------------------------------------------------------------
-    def metrics(self) -> dict:
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.num_preemptions,
-            "beam_reserved_blocks": self.scheduler.beam_blocks,
-            **self.counters,
-            "num_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "max_model_len": self.max_model_len,
-            "cache": asdict(self.cache.stats()),
-        }
+    def metrics(self) -> EngineMetrics:
+        s = self.scheduler
+        return EngineMetrics(**asdict(self.counters), running=len(s.running), waiting=len(s.waiting),
+                             preemptions=s.num_preemptions, beam_reserved_blocks=s.beam_blocks,
+                             num_blocks=self.num_blocks, block_size=self.block_size,
+                             max_model_len=self.max_model_len, cache=self.cache.stats())

@@ -38,6 +38,7 @@ import zmq
 
 from radixkv import protocol as P
 from radixkv.engine.errors import is_device_error
+from radixkv.engine.metrics import to_engine_stats
 
 logger = logging.getLogger("radixkv.engine")
 
@@ -114,17 +115,9 @@ class Worker:
         self.last_heartbeat = time.monotonic()
 
     def stats(self) -> P.EngineStats:
-        m = self.engine.metrics()
-        c = m["cache"]
+        stats = to_engine_stats(self.engine.metrics(), self.invariant_checks)
         self.last_stats = time.monotonic()
-        return P.EngineStats(
-            num_blocks=c["num_blocks"], block_size=c["block_size"], free_blocks=c["free_blocks"],
-            evictable_blocks=c["evictable_blocks"], in_use_blocks=c["in_use_blocks"], running=m["running"],
-            waiting=m["waiting"], preemptions=m["preemptions"], prompt_tokens=m["prompt_tokens"],
-            generation_tokens=m["generation_tokens"], prefix_query_tokens=c["prefix_query_tokens"],
-            prefix_hit_tokens=c["prefix_hit_tokens"], invariant_checks=self.invariant_checks,
-            requests_failed=m["requests_failed"],
-        )
+        return stats
 
     def ready_message(self) -> P.WorkerReady:
         e = self.engine
