@@ -2,7 +2,7 @@
 
 Parallel sampling (n = 2..6) and beam search (widths 2..6) run on a real model folder
 (the tiny Llama on the CPU is enough: sharing depends on lengths and on which beams
-survive, not on speed). Every RequestOutput reports the blocks it held and the blocks it
+survive, not on speed). Every finished RequestOutput reports the blocks it held and the blocks it
 would have held without sharing, summed over its steps; saving = 1 - held / without,
 the time-averaged measure of the PagedAttention paper.
 """
@@ -35,8 +35,8 @@ def measure(model_dir: str, kind: str, k: int, num_requests: int, short: bool) -
     while e.has_unfinished_requests():
         outs += [o for o in e.step() if o.finished]
     assert e.metrics().preemptions == 0, "a preemption would distort the accounting: give the pool more blocks"
-    held = sum(o.block_steps_held for o in outs)
-    without = sum(o.block_steps_without_sharing for o in outs)
+    held = sum(o.sharing.block_steps_held for o in outs)
+    without = sum(o.sharing.block_steps_without_sharing for o in outs)
     return 1 - held / without
 
 

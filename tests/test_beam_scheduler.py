@@ -74,7 +74,7 @@ def test_random_mixes_finish_and_never_preempt_beams(tiny_llama_dir, reqs, num_b
     assert set(finished) == {rid for rid, *_ in accepted}
     for rid, kind, max_tokens, lp in accepted:
         out = finished[rid]
-        assert out.blocks_held <= out.blocks_without_sharing
+        assert out.sharing.blocks_held <= out.sharing.blocks_without_sharing
         if kind.startswith("beam"):  # the n best, best first
             assert len(out.outputs) == min(2, int(kind[-1]))
             assert all(1 <= len(c.token_ids) <= max_tokens for c in out.outputs)

@@ -151,10 +151,10 @@ def test_beams_share_blocks_through_forks(tiny_llama_dir):
     assert len(out.outputs) == W and len({tuple(c.token_ids) for c in out.outputs}) == W
     assert all(len(c.token_ids) == 16 for c in out.outputs)
     # every beam holds its own copy of the prompt and history without sharing: (14 + 15) / 4 -> 8 blocks
-    assert out.blocks_without_sharing == W * 8
-    assert out.blocks_held < out.blocks_without_sharing and max(peaks) <= worst
-    assert out.block_steps_held < out.block_steps_without_sharing
-    assert out.num_computed_prompt_tokens == len(prompt)
+    assert out.sharing.blocks_without_sharing == W * 8
+    assert out.sharing.blocks_held < out.sharing.blocks_without_sharing and max(peaks) <= worst
+    assert out.sharing.block_steps_held < out.sharing.block_steps_without_sharing
+    assert out.sharing.num_computed_prompt_tokens == len(prompt)
     # histories are shared, not copied: copy-on-write only ever copies a beam's partial last block
     m = e.metrics()
     steps_after_prompt = m.steps - 1
@@ -290,6 +290,7 @@ def test_generate_command_beam_search(tiny_llama_dir, capsys):
                        SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=6, length_penalty=0.5,
                                       early_stopping=True))[0]
     assert [o["token_ids"] for o in got["outputs"]] == [c.token_ids for c in ref.outputs]
-    assert got["blocks_held"] == ref.blocks_held < got["blocks_without_sharing"] == ref.blocks_without_sharing
+    sh = ref.sharing
+    assert got["blocks_held"] == sh.blocks_held < got["blocks_without_sharing"] == sh.blocks_without_sharing
     assert generate_cmd.main(p.parse_args(common + ["--beam-width", "2", "--top-p", "0.5"])) == 2
     assert "top_p" in capsys.readouterr().err

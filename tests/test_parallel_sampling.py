@@ -38,7 +38,7 @@ def test_samples_equal_seeded_singles_and_the_prompt_is_computed_once(tiny_llama
     e.add_request("multi", prompt, SamplingParams(n=n, seed=21, max_tokens=max_tokens, ignore_eos=True))
     out = run_engine(e)["multi"]
     assert [c.index for c in out.outputs] == list(range(n))
-    assert out.num_computed_prompt_tokens == len(prompt)
+    assert out.sharing.num_computed_prompt_tokens == len(prompt)
     m = e.metrics()
     assert m.computed_prompt_tokens == len(prompt)
     assert m.computed_tokens == len(prompt) + n * (max_tokens - 1)
@@ -57,10 +57,10 @@ def test_samples_equal_seeded_singles_and_the_prompt_is_computed_once(tiny_llama
 
     # peak: the step that computes each sample's last kept token (prompt + 7 tokens each)
     last = len(prompt) + max_tokens - 1
-    assert out.blocks_without_sharing == n * _cdiv(last, B)
-    assert out.blocks_held == len(prompt) // B + n * (_cdiv(last, B) - len(prompt) // B)
-    assert 0 < out.block_steps_held < out.block_steps_without_sharing
-    solo = got["s0"]
+    assert out.sharing.blocks_without_sharing == n * _cdiv(last, B)
+    assert out.sharing.blocks_held == len(prompt) // B + n * (_cdiv(last, B) - len(prompt) // B)
+    assert 0 < out.sharing.block_steps_held < out.sharing.block_steps_without_sharing
+    solo = got["s0"].sharing
     assert solo.blocks_held == solo.blocks_without_sharing == _cdiv(last, B)
     assert solo.block_steps_held == solo.block_steps_without_sharing
 
@@ -76,10 +76,10 @@ def test_best_of_keeps_the_most_likely_and_counts_every_sample(tiny_llama_dir):
     full = run_engine(everything)["all"]
     best = sorted(full.outputs, key=lambda c: -c.cumulative_logprob)[:2]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in best]
-    assert out.num_computed_prompt_tokens == len(prompt)
+    assert out.sharing.num_computed_prompt_tokens == len(prompt)
     # all five samples held blocks, whatever is returned
-    assert out.blocks_without_sharing == full.blocks_without_sharing == 5 * _cdiv(len(prompt) + 5, B)
-    assert out.blocks_held == full.blocks_held < out.blocks_without_sharing
+    assert out.sharing.blocks_without_sharing == full.sharing.blocks_without_sharing == 5 * _cdiv(len(prompt) + 5, B)
+    assert out.sharing.blocks_held == full.sharing.blocks_held < out.sharing.blocks_without_sharing
 
 
 def test_samples_survive_preemption_and_the_recompute_is_counted(tiny_llama_dir):
@@ -98,8 +98,8 @@ def test_samples_survive_preemption_and_the_recompute_is_counted(tiny_llama_dir)
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
         m = tight.metrics()
         assert m.preemptions > 0 and m.cache.in_use_blocks == 0
-        assert out.blocks_held <= 14
-        computed[caching] = out.num_computed_prompt_tokens
+        assert out.sharing.blocks_held <= 14
+        computed[caching] = out.sharing.num_computed_prompt_tokens
     # a preempted sample recomputes its prompt (counted: it is real work) unless it finds the
     # prompt's committed blocks in the cache
     assert len(prompt) <= computed[True] < computed[False]
@@ -118,4 +118,4 @@ def test_samples_mixed_with_other_requests(tiny_llama_dir):
         alone.add_request("x", p, sp)
         ref = run_engine(alone)["x"]
         assert [c.token_ids for c in mixed[f"r{i}"].outputs] == [c.token_ids for c in ref.outputs]
-        assert mixed[f"r{i}"].num_computed_prompt_tokens == len(p)
+        assert mixed[f"r{i}"].sharing.num_computed_prompt_tokens == len(p)

@@ -43,6 +43,7 @@ def main(args) -> int:
     import logging
 
     from radixkv.engine.llm import LLM
+    from radixkv.engine.outputs import SharingStats
     from radixkv.sampling_params import from_cli_args
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -61,14 +62,15 @@ def main(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for text, out in zip(args.prompt, outputs):
+        sh = out.sharing or SharingStats()  # none: the prompt could not even be added
         if args.json:
             print(json.dumps({
                 "prompt": text, "prompt_token_ids": out.prompt_token_ids,
                 "num_cached_tokens": out.num_cached_tokens,
-                "num_computed_prompt_tokens": out.num_computed_prompt_tokens,
-                "blocks_held": out.blocks_held, "blocks_without_sharing": out.blocks_without_sharing,
-                "block_steps_held": out.block_steps_held,
-                "block_steps_without_sharing": out.block_steps_without_sharing,
+                "num_computed_prompt_tokens": sh.num_computed_prompt_tokens,
+                "blocks_held": sh.blocks_held, "blocks_without_sharing": sh.blocks_without_sharing,
+                "block_steps_held": sh.block_steps_held,
+                "block_steps_without_sharing": sh.block_steps_without_sharing,
                 "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                              "finish_reason": c.finish_reason, "cumulative_logprob": c.cumulative_logprob}
                             for c in out.outputs],
@@ -80,8 +82,8 @@ def main(args) -> int:
                   f"{out.num_cached_tokens} cached)")
             print(f"{c.text}\n--- finish: {c.finish_reason}, {len(c.token_ids)} tokens, "
                   f"cumulative logprob {c.cumulative_logprob:.3f}")
-        if len(out.outputs) > 1 or out.blocks_held < out.blocks_without_sharing:
-            print(f"--- KV blocks at peak: {out.blocks_held} held, {out.blocks_without_sharing} without sharing")
+        if len(out.outputs) > 1 or sh.blocks_held < sh.blocks_without_sharing:
+            print(f"--- KV blocks at peak: {sh.blocks_held} held, {sh.blocks_without_sharing} without sharing")
     m = llm.engine.metrics()
     print(f"steps {m.steps}, preemptions {m.preemptions}, cached prompt tokens {m.cached_prompt_tokens}",
           file=sys.stderr)

@@ -2,13 +2,16 @@
 
 A beam search request reports once, when it finishes: its n best hypotheses, best first.
 A request the engine failed reports once more, finished: finish_reason "error" on every
-choice it had not finished (failed_output).
+choice it had not finished (failed_output). A finished output carries the request's block
+sharing accounting (SharingStats); to_delta is the one conversion of an output to the wire.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from radixkv import protocol as P
 
 if TYPE_CHECKING:
     from radixkv.engine.sequence import Request
@@ -30,6 +33,21 @@ class CompletionOutput:
 
 
 @dataclass
+class SharingStats:
+    """A request's accounting, on its finished output. Block sharing within the request (peaks
+    over its steps, in KV blocks): distinct blocks its
+    sequences held, and what they would hold with private copies (each sample or beam its own
+    prompt and history). The block-step sums give the time-averaged saving,
+    1 - block_steps_held / block_steps_without_sharing."""
+
+    blocks_held: int = 0
+    blocks_without_sharing: int = 0
+    block_steps_held: int = 0
+    block_steps_without_sharing: int = 0
+    num_computed_prompt_tokens: int = 0  # prompt positions computed for it (once with n > 1; cache hits excluded)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     outputs: list[CompletionOutput]
@@ -37,15 +55,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     finished: bool
     prompt: str | None = None  # filled by the offline LLM API
-    # Block sharing within the request (peaks over its steps, in KV blocks): distinct blocks its
-    # sequences held, and what they would hold with private copies (each sample or beam its own
-    # prompt and history). The block-step sums give the time-averaged saving,
-    # 1 - block_steps_held / block_steps_without_sharing.
-    blocks_held: int = 0
-    blocks_without_sharing: int = 0
-    block_steps_held: int = 0
-    block_steps_without_sharing: int = 0
-    num_computed_prompt_tokens: int = 0  # prompt positions computed for it (once with n > 1; cache hits excluded)
+    sharing: SharingStats | None = None  # on the finished output only
 
 
 def request_output(req: "Request", finished: bool) -> RequestOutput | None:
@@ -60,7 +70,7 @@ def request_output(req: "Request", finished: bool) -> RequestOutput | None:
         completions = [CompletionOutput(rank, list(h.token_ids), list(h.token_ids), h.logprobs if want_lp else None,
                                         h.finish_reason, h.cumulative_logprob)
                        for rank, h in enumerate(req.beam.results(p.n, live))]
-        return _with_accounting(req, completions, finished)
+        return _make_output(req, completions, finished)
     seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.index)
     best_of = p.num_samples > p.n
     if best_of:
@@ -79,7 +89,7 @@ def request_output(req: "Request", finished: bool) -> RequestOutput | None:
         s.num_emitted = len(out_ids)
         completions.append(CompletionOutput(rank if best_of else s.index, new, out_ids, lps, s.finish_reason,
                                             s.cumulative_logprob))
-    return _with_accounting(req, completions, finished)
+    return _make_output(req, completions, finished)
 
 
 def failed_output(req: "Request") -> RequestOutput:
@@ -103,11 +113,26 @@ def failed_output(req: "Request") -> RequestOutput:
         # a finish is reported with the sample's last token: nothing new, and it was reported
         reason = s.finish_reason if s.finish_reason is not None and not new else "error"
         completions.append(CompletionOutput(i, new, out_ids, None, reason, s.cumulative_logprob))
-    return _with_accounting(req, completions, True)
+    return _make_output(req, completions, True)
 
 
-def _with_accounting(req: "Request", completions: list[CompletionOutput], finished: bool) -> RequestOutput:
-    sh = req.sharing
+def _make_output(req: "Request", completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+    sharing = None
+    if finished:
+        sh = req.sharing
+        sharing = SharingStats(sh.peak_held, sh.peak_without_sharing, sh.block_steps_held,
+                               sh.block_steps_without_sharing, req.num_computed_prompt_tokens)
     return RequestOutput(req.request_id, completions, req.prompt_token_ids, req.num_cached_tokens or 0, finished,
-                         None, sh.peak_held, sh.peak_without_sharing, sh.block_steps_held,
-                         sh.block_steps_without_sharing, req.num_computed_prompt_tokens)
+                         sharing=sharing)
+
+
+def to_delta(out: RequestOutput) -> P.RequestDelta:
+    """RequestOutput -> RequestDelta (logprobs split into sampled / top-k)."""
+    choices = []
+    for c in out.outputs:
+        lps = tops = None
+        if c.logprobs is not None:
+            lps = [d[t] for t, d in zip(c.new_token_ids, c.logprobs)]
+            tops = [dict(d) for d in c.logprobs]
+        choices.append(P.ChoiceDelta(c.index, list(c.new_token_ids), lps, tops, c.finish_reason))
+    return P.RequestDelta(out.request_id, choices, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)

@@ -39,6 +39,7 @@ import zmq
 from radixkv import protocol as P
 from radixkv.engine.errors import is_device_error
 from radixkv.engine.metrics import to_engine_stats
+from radixkv.engine.outputs import to_delta
 
 logger = logging.getLogger("radixkv.engine")
 
@@ -83,18 +84,6 @@ def to_sampling_params(opts: P.SamplingOptions):
     from radixkv.engine.sampling_params import SamplingParams
 
     return SamplingParams(**msgspec.structs.asdict(opts))
-
-
-def to_delta(out) -> P.RequestDelta:
-    """Engine RequestOutput -> RequestDelta (logprobs split into sampled / top-k)."""
-    choices = []
-    for c in out.outputs:
-        lps = tops = None
-        if c.logprobs is not None:
-            lps = [d[t] for t, d in zip(c.new_token_ids, c.logprobs)]
-            tops = [dict(d) for d in c.logprobs]
-        choices.append(P.ChoiceDelta(c.index, list(c.new_token_ids), lps, tops, c.finish_reason))
-    return P.RequestDelta(out.request_id, choices, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
 
 
 def error_delta(request_id: str, indices, num_prompt_tokens: int, num_cached_tokens: int = 0) -> P.RequestDelta:
