@@ -19,7 +19,6 @@ import time
 def measure(model_dir: str, groups: int, per_group: int, prefix: int, question: int, output: int,
             max_num_seqs: int) -> dict:
     from benchmarks.workloads import generated_shared_prefix
-    from radixkv.engine.batch import build_batch
     from radixkv.engine.config import EngineConfig
     from radixkv.engine.cuda_graph import capture_sizes
     from radixkv.engine.engine import Engine
@@ -39,14 +38,14 @@ def measure(model_dir: str, groups: int, per_group: int, prefix: int, question: 
     keys, decode_steps = collections.Counter(), 0
     execute = e.runner.execute
 
-    def observe(scheduled, tables, rows, copy_ops):
+    def observe(scheduled, block_table, copy_ops):
         nonlocal decode_steps
-        batch = build_batch(scheduled, tables, rows)
+        batch, logits = execute(scheduled, block_table, copy_ops)
         if batch.is_decode:
             decode_steps += 1
             g, _ = cache.get(tuple(s.seq_id for s, _ in scheduled), batch.block_tables, batch.seq_lens)
             keys[shared_graph_key(len(batch.seq_lens), g, sizes, MIN_SHARED_BATCH, max_blocks)] += 1
-        return execute(scheduled, tables, rows, copy_ops)
+        return batch, logits
 
     e.runner.execute = observe
     for i, r in enumerate(w.requests):

@@ -30,8 +30,9 @@ def measure(model_dir: str, seqs: int = 256, prompt: int = 1152, shared: int = 1
     vocab = e.model_config.vocab_size
     logits = torch.zeros(seqs, vocab)  # allocated once: a fresh one per step costs page faults
 
-    def no_forward(scheduled, tables, rows, copy_ops):
-        batch = build_batch(scheduled, tables, rows)
+    def no_forward(scheduled, block_table, copy_ops):
+        tables = e.runner.block_tables
+        batch = build_batch(scheduled, tables, tables.sync_step(scheduled, block_table))
         return batch, logits[: len(batch.sample_seqs)]
 
     e.runner.execute = no_forward

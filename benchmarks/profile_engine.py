@@ -202,7 +202,7 @@ def _host_phases(e, steps: int = 6) -> dict:
 
     phases = dict.fromkeys(["schedule", "tables_sync", "build_batch", "groups", "launch", "gpu_wait", "sampler",
                             "step_total"], 0.0)
-    saved = (e.scheduler.schedule, e.tables.sync, mr.build_batch, e.runner.graphs.run, e.sampler,
+    saved = (e.scheduler.schedule, e.runner.block_tables.sync, mr.build_batch, e.runner.graphs.run, e.sampler,
              e.runner.prefix_groups)
 
     def timed(name, fn, sync=False):
@@ -218,7 +218,7 @@ def _host_phases(e, steps: int = 6) -> dict:
         return wrapper
 
     e.scheduler.schedule = timed("schedule", saved[0])
-    e.tables.sync = timed("tables_sync", saved[1])
+    e.runner.block_tables.sync = timed("tables_sync", saved[1])
     mr.build_batch = timed("build_batch", saved[2])
     e.runner.graphs.run = timed("launch", saved[3], sync=True)
     e.sampler = timed("sampler", saved[4])
@@ -232,7 +232,7 @@ def _host_phases(e, steps: int = 6) -> dict:
             e.step()
             phases["step_total"] += time.perf_counter() - t
     finally:
-        e.scheduler.schedule, e.tables.sync, mr.build_batch, e.runner.graphs.run, e.sampler = saved[:5]
+        e.scheduler.schedule, e.runner.block_tables.sync, mr.build_batch, e.runner.graphs.run, e.sampler = saved[:5]
         if pg is not None:
             del pg.get
     out = {k: round(v / steps * 1e3, 3) for k, v in phases.items()}
@@ -250,8 +250,10 @@ def step_profile(e, n: int) -> dict:
     res["host_phases_shared"] = _host_phases(e)
     graphs = r.graphs
     bs = graphs.sizes[-1]
-    shared_keys = [k for k in graphs.graphs if not isinstance(k, int) and k[0] == bs]
-    res["replay_ms_plain"] = _replay_ms(graphs.graphs[bs])
+    from radixkv.engine.shared_prefix import GraphKey
+
+    shared_keys = [k for k in graphs.graphs if k.shared and k.batch == bs]
+    res["replay_ms_plain"] = _replay_ms(graphs.graphs[GraphKey(bs)])
     if r.last_step_shared and graphs._filled is not None:
         res["replay_key_shared"] = graphs._filled[2]
         res["replay_ms_shared"] = _replay_ms(graphs.graphs[graphs._filled[2]])

@@ -45,8 +45,9 @@ def test_random_mixes_finish_and_never_preempt_beams(tiny_llama_dir, reqs, num_b
     vocab = e.model_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
 
-    def random_forward(scheduled, tables, rows, copy_ops):
-        batch = build_batch(scheduled, tables, rows)
+    def random_forward(scheduled, block_table, copy_ops):
+        tables = e.runner.block_tables
+        batch = build_batch(scheduled, tables, tables.sync_step(scheduled, block_table))
         logits = torch.randn(len(batch.sample_seqs), vocab, generator=gen) * 3
         logits[:, list(e.eos_token_ids)] += 4  # finishing is common, so hypotheses compete
         return batch, logits
@@ -69,7 +70,7 @@ def test_random_mixes_finish_and_never_preempt_beams(tiny_llama_dir, reqs, num_b
             if out.finished:
                 finished[out.request_id] = out
         e.cache.check_invariants()
-        assert e.scheduler.beam_blocks <= e.num_blocks
+        assert e.scheduler.admission.reserved_blocks <= e.num_blocks
         assert not any(s.preempted for s in e.scheduler.waiting if s.request.beam is not None)
     assert set(finished) == {rid for rid, *_ in accepted}
     for rid, kind, max_tokens, lp in accepted:
@@ -84,5 +85,5 @@ def test_random_mixes_finish_and_never_preempt_beams(tiny_llama_dir, reqs, num_b
     event(f"beam requests: {'2 or more' if len(beams) >= 2 else len(beams)}")
     event(f"preempted: {e.metrics().preemptions > 0}")
     event(f"a beam stopped early: {any(c.finish_reason == 'stop' for r in beams for c in finished[r].outputs)}")
-    assert e.cache.stats().in_use_blocks == 0 and e.scheduler.beam_blocks == 0
+    assert e.cache.stats().in_use_blocks == 0 and e.scheduler.admission.reserved_blocks == 0
     assert not e.scheduler.running and not e.scheduler.waiting

@@ -121,7 +121,7 @@ def test_beam_search_equals_hf_generate(fixture, W, request, hf_models):
     assert len(out.outputs[0].token_ids) >= 3
     m = llm.engine.metrics()
     assert m.cache.in_use_blocks == 0 and m.running == 0
-    assert llm.engine.scheduler.beam_blocks == 0
+    assert llm.engine.scheduler.admission.reserved_blocks == 0
     llm.engine.cache.check_invariants()
 
 
@@ -160,7 +160,7 @@ def test_beams_share_blocks_through_forks(tiny_llama_dir):
     steps_after_prompt = m.steps - 1
     assert m.cache.copy_on_write_blocks <= (W - 1) * steps_after_prompt
     assert m.computed_tokens == len(prompt) + W * 15
-    assert m.cache.in_use_blocks == 0 and e.scheduler.beam_blocks == 0
+    assert m.cache.in_use_blocks == 0 and e.scheduler.admission.reserved_blocks == 0
 
 
 def test_beam_request_in_the_same_batches_as_others(tiny_llama_dir):
@@ -199,7 +199,7 @@ def test_beams_are_not_preempted_and_admission_keeps_their_worst_case(tiny_llama
     seen = []
 
     def check(eng):
-        assert eng.scheduler.beam_blocks <= eng.num_blocks
+        assert eng.scheduler.admission.reserved_blocks <= eng.num_blocks
         seen.append(sum(1 for s in eng.scheduler.running if s.request.beam is not None))
 
     got = run_engine(e, on_step=check)
@@ -208,7 +208,7 @@ def test_beams_are_not_preempted_and_admission_keeps_their_worst_case(tiny_llama
     for i, (p, sp) in enumerate(beams + others):
         ref = _alone(tiny_llama_dir, p, sp)
         assert [c.token_ids for c in got[f"r{i}"].outputs] == [c.token_ids for c in ref.outputs]
-    assert e.scheduler.beam_blocks == 0 and e.cache.stats().in_use_blocks == 0
+    assert e.scheduler.admission.reserved_blocks == 0 and e.cache.stats().in_use_blocks == 0
 
 
 def test_abort_mid_search_ranks_running_beams_and_frees(tiny_llama_dir):
@@ -228,7 +228,7 @@ def test_abort_mid_search_ranks_running_beams_and_frees(tiny_llama_dir):
                                                                                         abs=1e-4)
     assert outs["waiting"].finished
     assert not e.has_unfinished_requests()
-    assert e.scheduler.beam_blocks == 0 and e.cache.stats().in_use_blocks == 0
+    assert e.scheduler.admission.reserved_blocks == 0 and e.cache.stats().in_use_blocks == 0
 
 
 def test_logprobs_of_finished_beams_add_up(tiny_llama_dir):

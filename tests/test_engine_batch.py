@@ -8,19 +8,25 @@ import numpy as np
 from radixkv.engine.batch import build_batch
 from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.sampling_params import SamplingParams
-from radixkv.engine.sequence import Request, Sequence
+from radixkv.cache import KVCacheManager
+from radixkv.engine.sequence import Request, Sequence, Status
 
 
-def _seq(i, tokens, computed):
+def _seq(cache, i, tokens, computed):
+    """A running sequence with `computed` tokens in the cache (their KV is never written here)."""
     req = Request(f"r{i}", tokens[:5], SamplingParams(), arrival=i)
-    s = Sequence(i, req, 0, list(tokens), num_computed_tokens=computed)
+    s = Sequence(i, req, 0, list(tokens), cache, status=Status.RUNNING)
     req.seqs.append(s)
+    cache.add_sequence(i, tokens[:5])
+    assert cache.try_reserve(i, len(tokens) - cache.num_computed_tokens(i))
+    cache.mark_tokens_computed(i, tokens[cache.num_computed_tokens(i) : computed])
     return s
 
 
 def test_build_batch_mixed_prefill_chunk_and_decode():
-    a = _seq(0, [10, 11, 12, 13, 14, 15, 16], computed=2)  # chunk of 3 of its prompt: positions 2..4
-    b = _seq(1, [20, 21, 22, 23, 24, 25], computed=5)  # decode of its last token at position 5
+    cache = KVCacheManager(16, 4)
+    a = _seq(cache, 0, [10, 11, 12, 13, 14, 15, 16], computed=2)  # chunk of 3 of its prompt: positions 2..4
+    b = _seq(cache, 1, [20, 21, 22, 23, 24, 25], computed=5)  # decode of its last token at position 5
     tables = BlockTables(max_rows=4, max_blocks=8, block_size=4)
     tables.sync([(5, [6, 6, 6], 4)])  # another sequence's row, with a longer table
     rows = tables.sync([(0, [7, 3], a.num_computed_tokens), (1, [1, 9], b.num_computed_tokens)])

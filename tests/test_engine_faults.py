@@ -92,7 +92,7 @@ def _assert_settled(e):
     assert e.cache.stats().in_use_blocks == 0
     e.cache.check_invariants()
     assert not e.requests and not e.scheduler.running and not e.scheduler.waiting
-    assert e.scheduler.beam_blocks == 0
+    assert e.scheduler.admission.reserved_blocks == 0
 
 
 def _assert_serves(e):
@@ -128,12 +128,12 @@ def _fault_in_forward(e, after_tokens):
     """The forward raises whenever the request at fault, with `after_tokens` generated, is in it."""
     execute, fired = e.runner.execute, []
 
-    def execute_or_fail(scheduled, tables, rows, copy_ops):
+    def execute_or_fail(scheduled, block_table, copy_ops):
         mine = [s for s, _ in scheduled if s.request.request_id == BAD]
         if mine and mine[0].num_output_tokens >= after_tokens:
             fired.append(_is_mixed(scheduled) and len(scheduled) > len(mine))
             raise RuntimeError("injected: the forward failed")
-        return execute(scheduled, tables, rows, copy_ops)
+        return execute(scheduled, block_table, copy_ops)
 
     e.runner.execute = execute_or_fail
     return fired
@@ -145,9 +145,9 @@ def _fault_in_sampler(e):
     sampler, fired = e.sampler, []
     execute, mixed = e.runner.execute, []
 
-    def execute_and_note(scheduled, tables, rows, copy_ops):
+    def execute_and_note(scheduled, block_table, copy_ops):
         mixed.append(_is_mixed(scheduled))
-        return execute(scheduled, tables, rows, copy_ops)
+        return execute(scheduled, block_table, copy_ops)
 
     def sample_or_fail(logits, seqs):
         out = sampler(logits, seqs)
@@ -188,18 +188,19 @@ def _fault_in_output(monkeypatch):
     return fired
 
 
-def _fault_in_append(e):
-    """The cache refuses the request at fault's sampled tokens (apply, per request)."""
-    append, fired = e.cache.append_tokens, []
+def _fault_in_commit(e):
+    """The cache refuses the request at fault's computed tokens, sampled ones included (apply,
+    per request)."""
+    mark, fired = e.cache.mark_tokens_computed, []
 
-    def append_or_fail(seq_id, token_ids):
+    def mark_or_fail(seq_id, token_ids):
         req = e.requests.get(BAD)
         if req is not None and any(s.seq_id == seq_id for s in req.seqs) and req.seqs[0].num_output_tokens >= 2:
             fired.append(True)
-            raise ValueError("injected: the append failed")
-        return append(seq_id, token_ids)
+            raise ValueError("injected: the commit failed")
+        return mark(seq_id, token_ids)
 
-    e.cache.append_tokens = append_or_fail
+    e.cache.mark_tokens_computed = mark_or_fail
     return fired
 
 
@@ -212,7 +213,7 @@ FAULTS = {
                     lambda e, mp: _fault_in_sampler(e)),
     "beam-step": (_beam(), 0, lambda e, mp: _fault_in_beam_step(e)),
     "output": (_greedy(10), 0, lambda e, mp: _fault_in_output(mp)),
-    "append": (_greedy(10), 0, lambda e, mp: _fault_in_append(e)),
+    "commit": (_greedy(10), 0, lambda e, mp: _fault_in_commit(e)),
 }
 
 
@@ -255,7 +256,7 @@ def test_a_copy_on_write_runs_again_only_with_its_sequence(tiny_llama_dir):
         e.add_request(BAD, _prompt(6, 1), _greedy(8))
         execute, logits, fired, step = e.runner.execute, e.runner.model.compute_logits, [], {}
 
-        def execute_and_note(scheduled, tables, rows, copy_ops):
+        def execute_and_note(scheduled, block_table, copy_ops):
             first_write = any(s.request.request_id == "pair" and s.num_output_tokens == 1 for s, _ in scheduled)
             if fault and first_write and "at" not in step:
                 step["at"] = e.counters.steps
@@ -263,7 +264,7 @@ def test_a_copy_on_write_runs_again_only_with_its_sequence(tiny_llama_dir):
             # the request at fault fails in every attempt at that step
             step["fail"] = step.get("at") == e.counters.steps and any(s.request.request_id == BAD
                                                                          for s, _ in scheduled)
-            return execute(scheduled, tables, rows, copy_ops)
+            return execute(scheduled, block_table, copy_ops)
 
         def logits_or_fail(hidden):  # after the copies and the KV writes
             if step["fail"]:
@@ -291,10 +292,10 @@ def test_a_fault_in_every_step_fails_everyone_and_the_engine_lives(tiny_llama_di
     e = _engine(tiny_llama_dir)
     execute, broken = e.runner.execute, [True]
 
-    def execute_or_fail(scheduled, tables, rows, copy_ops):
+    def execute_or_fail(scheduled, block_table, copy_ops):
         if broken[0]:
             raise MemoryError("injected: every forward fails")
-        return execute(scheduled, tables, rows, copy_ops)
+        return execute(scheduled, block_table, copy_ops)
 
     e.runner.execute = execute_or_fail
     workload = _workload(_greedy(10))
@@ -316,11 +317,11 @@ def test_a_failure_only_the_whole_batch_meets_fails_no_request(tiny_llama_dir, r
     e = _engine(tiny_llama_dir)
     execute, failures = e.runner.execute, []
 
-    def execute_or_oom(scheduled, tables, rows, copy_ops):
+    def execute_or_oom(scheduled, block_table, copy_ops):
         if len({s.request.request_id for s, _ in scheduled}) >= 4:
             failures.append(len(scheduled))
             raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 2.00 GiB")
-        return execute(scheduled, tables, rows, copy_ops)
+        return execute(scheduled, block_table, copy_ops)
 
     e.runner.execute = execute_or_oom
     workload = _workload(_greedy(10))
@@ -370,7 +371,7 @@ def test_a_device_error_is_raised_not_isolated(tiny_llama_dir):
     e = _engine(tiny_llama_dir)
     calls = []
 
-    def execute(scheduled, tables, rows, copy_ops):
+    def execute(scheduled, block_table, copy_ops):
         calls.append(len(scheduled))
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
@@ -386,11 +387,11 @@ def test_a_broken_cache_after_a_failure_is_raised(tiny_llama_dir):
     e = _engine(tiny_llama_dir)
     execute = e.runner.execute
 
-    def corrupt_and_fail(scheduled, tables, rows, copy_ops):
+    def corrupt_and_fail(scheduled, block_table, copy_ops):
         if any(s.num_output_tokens >= 1 for s, _ in scheduled):
             e.cache.pool.ref[e.cache.block_table(scheduled[0][0].seq_id)[0]] += 3
             raise RuntimeError("injected")
-        return execute(scheduled, tables, rows, copy_ops)
+        return execute(scheduled, block_table, copy_ops)
 
     e.runner.execute = corrupt_and_fail
     e.add_request("a", _prompt(5, 1), _greedy(4))
@@ -514,11 +515,11 @@ def test_llm_generate_returns_a_failed_prompt_with_error(tiny_llama_dir):
     execute = llm.engine.runner.execute
     target = {}
 
-    def execute_or_fail(scheduled, tables, rows, copy_ops):
+    def execute_or_fail(scheduled, block_table, copy_ops):
         if any(s.request.prompt_token_ids == prompts[1] and s.num_output_tokens >= 2 for s, _ in scheduled):
             target["hit"] = True
             raise RuntimeError("injected")
-        return execute(scheduled, tables, rows, copy_ops)
+        return execute(scheduled, block_table, copy_ops)
 
     llm.engine.runner.execute = execute_or_fail
     got = llm.generate(prompts, params)

@@ -199,9 +199,7 @@ def _decode_batch(e):
     runs it as often as it likes; every run rewrites the same slots)."""
     scheduled = e.scheduler.schedule().scheduled
     assert scheduled and all(n == 1 for _, n in scheduled)
-    table = e.cache.block_table
-    rows = e.tables.sync([(s.seq_id, table(s.seq_id), s.num_computed_tokens) for s, _ in scheduled])
-    return scheduled, rows
+    return scheduled
 
 
 def _graph_vs_eager(e, rng, ids):
@@ -212,15 +210,15 @@ def _graph_vs_eager(e, rng, ids):
         e.step()
     for _ in range(3):
         e.step()
-    scheduled, rows = _decode_batch(e)
+    scheduled = _decode_batch(e)
     running = [s for s, _ in scheduled]
     graphs = e.runner.graphs
     with torch.inference_mode():
-        _, graph_logits = e.runner.execute(scheduled, e.tables, rows, [])
+        _, graph_logits = e.runner.execute(scheduled, e.cache.block_table, [])
         graph_logits = graph_logits.float().clone()
         e.runner.graphs = None
         try:
-            _, eager_logits = e.runner.execute(scheduled, e.tables, rows, [])  # rewrites the same KV slots
+            _, eager_logits = e.runner.execute(scheduled, e.cache.block_table, [])  # rewrites the same KV slots
         finally:
             e.runner.graphs = graphs
     eager_logits = eager_logits.float()
@@ -231,11 +229,11 @@ def _graph_vs_eager(e, rng, ids):
         e.runner.graphs = graphs if use_graphs else None
         try:
             with torch.inference_mode():
-                e.runner.execute(scheduled, e.tables, rows, [])  # warm-up
+                e.runner.execute(scheduled, e.cache.block_table, [])  # warm-up
                 _sync()
                 t0 = time.perf_counter()
                 for _ in range(10):
-                    e.runner.execute(scheduled, e.tables, rows, [])
+                    e.runner.execute(scheduled, e.cache.block_table, [])
                 _sync()
         finally:
             e.runner.graphs = graphs
@@ -279,7 +277,7 @@ def test_shared_prefix_graph_matches_plain(engine8b):
 
 
 def _shared_vs_plain(e, graphs):
-    scheduled, rows = _decode_batch(e)
+    scheduled = _decode_batch(e)
     running = [s for s, _ in scheduled]
     r = e.runner
     groups = r.prefix_groups
@@ -288,7 +286,7 @@ def _shared_vs_plain(e, graphs):
         r.prefix_groups, r.graphs = (groups if shared else None), (graphs if use_graphs else None)
         try:
             with torch.inference_mode():  # each run rewrites the same KV slots with the same values
-                _, logits = r.execute(scheduled, e.tables, rows, [])
+                _, logits = r.execute(scheduled, e.cache.block_table, [])
                 assert r.last_step_shared == shared
                 return logits.float().clone()
         finally:

@@ -15,19 +15,19 @@ from radixkv.engine.sequence import Request, Sequence, Status
 
 def _simulate(lengths, max_tokens, block_size, num_blocks, max_num_seqs, budget, chunk, policy="fcfs", seed=0,
               defer=False, shared_len=12):
-    """Drive the scheduler like the engine does (commit, sample a token, stop at max_tokens)."""
+    """Drive the scheduler like the engine does (commit, sample a token, stop at max_tokens).
+    The computed counts are the cache's; the block-table rows follow the freed ids."""
     rng = random.Random(seed)
     cache = KVCacheManager(num_blocks, block_size)
     sched = Scheduler(cache, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                       max_prefill_chunk=chunk, policy=policy, defer_shared_prefill=defer)
     tables = BlockTables(max_num_seqs, num_blocks, block_size)
-    sched.on_free = lambda s: tables.release(s.seq_id)
     shared = [rng.randrange(100) for _ in range(shared_len)]
     seqs = []
     for i, (n, m) in enumerate(zip(lengths, max_tokens)):
         prompt = (shared + [rng.randrange(100) for _ in range(n)])[: max(1, n)]
         req = Request(f"r{i}", prompt, SamplingParams(max_tokens=m), arrival=i)
-        seq = Sequence(i, req, 0, list(prompt))
+        seq = Sequence(i, req, 0, list(prompt), cache)
         req.seqs.append(seq)
         sched.add(seq)
         seqs.append(seq)
@@ -42,24 +42,21 @@ def _simulate(lengths, max_tokens, block_size, num_blocks, max_num_seqs, budget,
         assert out.num_batched_tokens == sum(n for _, n in out.scheduled) <= budget
         assert len(sched.running) <= max_num_seqs
         assert all(n <= chunk for s, n in out.scheduled if s.num_computed_tokens + n < s.num_tokens)
-        rows = tables.sync([(s.seq_id, cache.block_table(s.seq_id), s.num_computed_tokens) for s, _ in out.scheduled])
-        batch = build_batch(out.scheduled, tables, rows)
+        for seq_id in out.freed_seq_ids:
+            tables.release(seq_id)
+        batch = build_batch(out.scheduled, tables, tables.sync_step(out.scheduled, cache.block_table))
         for i, (s, _) in enumerate(out.scheduled):  # the mirrored rows equal the cache's tables
             table = cache.block_table(s.seq_id)
             assert batch.block_tables[i, : len(table)].tolist() == table
         for seq, n in out.scheduled:
-            cache.mark_tokens_computed(seq.seq_id, seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
-            seq.num_computed_tokens += n
+            start = seq.num_computed_tokens
+            cache.mark_tokens_computed(seq.seq_id, seq.token_ids[start : start + n])
             sched.computed += n
-            assert cache.num_computed_tokens(seq.seq_id) == seq.num_computed_tokens
             if seq.num_computed_tokens == seq.num_tokens:
-                tok = rng.randrange(100)
-                seq.token_ids.append(tok)
+                seq.token_ids.append(rng.randrange(100))
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     sched.finish(seq, "length")
                     finished_order.append(seq.seq_id)
-                else:
-                    cache.append_tokens(seq.seq_id, [tok])
         cache.check_invariants()
     assert all(s.status is Status.FINISHED for s in seqs)
     assert cache.stats().in_use_blocks == 0
@@ -109,16 +106,13 @@ def test_chunked_prefill_mixes_with_decodes():
     reqs = []
     for i, n in enumerate((3, 17)):
         req = Request(f"r{i}", list(range(1, n + 1)), SamplingParams(), arrival=i)
-        req.seqs.append(Sequence(i, req, 0, list(req.prompt_token_ids)))
+        req.seqs.append(Sequence(i, req, 0, list(req.prompt_token_ids), cache))
         sched.add(req.seqs[0])
         reqs.append(req)
     out = sched.schedule()
     assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 3), (1, 5)]
     for s, n in out.scheduled:
         cache.mark_tokens_computed(s.seq_id, s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n])
-        s.num_computed_tokens += n
-    a = reqs[0].seqs[0]
-    a.token_ids.append(9)
-    cache.append_tokens(a.seq_id, [9])
+    reqs[0].seqs[0].token_ids.append(9)
     out = sched.schedule()  # a decode and the next prompt chunk in one step
     assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 5)]

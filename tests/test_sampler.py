@@ -14,7 +14,7 @@ EOS = (0,)
 
 def _seq(params, prompt=(5, 6), output=(), index=0):
     req = Request("r", list(prompt), params, arrival=0)
-    s = Sequence(seq_id=index, request=req, index=index, token_ids=list(prompt) + list(output))
+    s = Sequence(seq_id=index, request=req, index=index, token_ids=list(prompt) + list(output), cache=None)
     req.seqs.append(s)
     return s
 

@@ -27,7 +27,7 @@ class EagerReplayGraphs(DecodeGraphs):
 
     def _capture(self, key) -> None:
         self.graphs[key] = type("Replay", (), {"replay": staticmethod(lambda: self._run(key))})()
-        if not isinstance(key, int):
+        if key.shared:
             self.num_shared_captures += 1
 
 

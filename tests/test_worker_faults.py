@@ -195,10 +195,10 @@ def test_a_refused_request_is_rejected_naming_the_field(front, start_worker):
 def _fail_forward_of(engine, request_id, after_tokens):
     execute = engine.runner.execute
 
-    def execute_or_fail(scheduled, tables, rows, copy_ops):
+    def execute_or_fail(scheduled, block_table, copy_ops):
         if any(s.request.request_id == request_id and s.num_output_tokens >= after_tokens for s, _ in scheduled):
             raise RuntimeError("injected: the forward failed")
-        return execute(scheduled, tables, rows, copy_ops)
+        return execute(scheduled, block_table, copy_ops)
 
     engine.runner.execute = execute_or_fail
 
@@ -256,7 +256,7 @@ def test_an_internal_failure_ends_its_request_with_error_only(front, start_worke
 def test_a_device_error_ends_the_worker(front, start_worker):
     w = start_worker()
 
-    def execute_or_crash(scheduled, tables, rows, copy_ops):
+    def execute_or_crash(scheduled, block_table, copy_ops):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     w.engine.runner.execute = execute_or_crash

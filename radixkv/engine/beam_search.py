@@ -1,10 +1,12 @@
-"""Beam search on shared blocks: the selection rule and a request's finished hypotheses.
+"""Beam search on shared blocks: the selection rule, the driver that carries it out on a
+request's sequence group, and the finished hypotheses.
 
-The engine runs every live beam as an ordinary decode row of the continuous batch; once all
-beams of a request have their logits, `BeamSearch.step` picks the continuations and the engine
-applies them to the cache with ref counts only: a beam continued once keeps its sequence, each
-further continuation forks it (all blocks shared, the partial last one copied on write when
-written), and a beam with no continuation is freed. No history is ever copied.
+The engine runs every live beam as an ordinary decode row of the continuous batch (the group
+is gang scheduled and pinned: sequence.py); once all beams of a request have their logits,
+`BeamSearch.advance` picks the continuations (`step`) and applies them through the group's
+operations, with ref counts only: a beam continued once keeps its sequence, each further
+continuation forks it (all blocks shared, the partial last one copied on write when written),
+and a beam with no continuation is dropped. No history is ever copied.
 
 The ranking is HF transformers' (generate(num_beams=W, do_sample=False)), step for step:
 - Candidates: the K best (beam, token) pairs over all live beams by running score + the token's
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -60,6 +63,19 @@ class BeamStep:
     done: bool  # the search is over; `keep` is empty
 
 
+class GroupOps(Protocol):
+    """What a driver may do to a request's sequence group (the engine implements it)."""
+
+    def fork(self, parent, index: int):
+        """A new running member sharing every block and the history of `parent`."""
+
+    def drop(self, seq) -> None:
+        """A member with no continuation: its blocks go back, the group goes on."""
+
+    def finish(self, seq, reason: str) -> None:
+        """A member is done; the request reports when all are."""
+
+
 def worst_case_blocks(prompt_len: int, max_new_tokens: int, num_beams: int, block_size: int) -> int:
     """Most blocks a beam request holds at once: the prompt's full blocks (shared by every beam),
     each beam's own blocks up to the longest output, and one per beam for a pending copy."""
@@ -72,7 +88,7 @@ class BeamSearch:
     """State of one request's search. Beams are the request's live sequences, best first."""
 
     def __init__(self, *, num_beams: int, length_penalty: float, early_stopping: bool | str, max_new_tokens: int,
-                 finish_token_ids, min_tokens: int = 0, logprobs: int | None = None, worst_blocks: int = 0):
+                 finish_token_ids, min_tokens: int = 0, logprobs: int | None = None):
         assert num_beams >= 1 and max_new_tokens >= 1
         self.num_beams = num_beams
         self.length_penalty = length_penalty
@@ -82,8 +98,6 @@ class BeamSearch:
         self.num_candidates = num_beams * max(2, 1 + len(self.finish))
         self.min_tokens = min_tokens
         self.logprobs = logprobs
-        self.worst_blocks = worst_blocks  # what the scheduler reserves for this request
-        self.reserved_blocks = 0  # held in the scheduler's reservation while admitted
         self.scores = torch.zeros(1)  # running cumulative logprob of each live beam, fp32 like HF's
         self.num_generated = 0
         self.finished: list[Hypothesis] = []  # best first, at most num_beams
@@ -122,6 +136,39 @@ class BeamSearch:
             return BeamStep([], True)
         self.scores = top_vals[keep_pos]
         return BeamStep(keep, self._done())
+
+    def advance(self, req, logprobs: torch.Tensor, ops: GroupOps) -> bool:
+        """One step of the search on `req`'s live beams (req.seqs, best first), whose
+        log-probs are the rows of `logprobs`: the chosen continuations are forked, the
+        others dropped, and req.seqs becomes the next beams, each with its token appended.
+        True when the search is over (every beam finished "stop")."""
+        beams = req.seqs
+        step = self.step(logprobs, beams)
+        if step.done:
+            for s in beams:
+                ops.finish(s, "stop")
+            return True
+        # forks first (children share the parent's blocks), then the beams not continued go
+        continued, children = set(), []
+        for parent_idx, token, entry in step.keep:
+            parent = beams[parent_idx]
+            if parent_idx in continued:
+                child = ops.fork(parent, len(children))
+            else:
+                continued.add(parent_idx)
+                child = parent
+            children.append((child, token, entry))
+        for i, s in enumerate(beams):
+            if i not in continued:
+                ops.drop(s)
+        req.seqs = [c for c, _, _ in children]
+        for rank, ((child, token, entry), score) in enumerate(zip(children, self.scores.tolist())):
+            child.index = rank
+            child.token_ids.append(token)
+            child.cumulative_logprob = score
+            if entry is not None:
+                child.logprobs.append(entry)
+        return False
 
     def _done(self) -> bool:
         if len(self.finished) < self.num_beams:

@@ -1,5 +1,5 @@
-"""Block tables of the running sequences, kept as rows of one numpy array across steps, and
-the prefix groups of a decode batch derived from them.
+"""Block tables of the running sequences, kept as rows of one numpy array across steps (the
+runner's mirror of the cache manager's tables).
 
 Re-converting every table from Python lists each step costs ~40 ns per entry (0.7 ms for
 256 sequences of 1k tokens), so each row is refreshed only from the first entry that can
@@ -9,8 +9,6 @@ that step, by deduplication), so a decode step rewrites one or two entries per s
 """
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
@@ -52,60 +50,12 @@ class BlockTables:
         self.lens[rows] = lens
         return rows
 
+    def sync_step(self, scheduled, block_table) -> list[int]:
+        """sync() for a step's (sequence, tokens) list; block_table(seq_id): the cache's table."""
+        return self.sync([(s.seq_id, block_table(s.seq_id), s.num_computed_tokens) for s, _ in scheduled])
+
     def release(self, seq_id: int) -> None:
         row = self._row.pop(seq_id, None)
         if row is not None:
             del self._stable[seq_id]
             self._free.append(row)
-
-
-class PrefixGroupCache:
-    """Prefix groups (kernels/shared_prefix.py) of the running decode batch.
-
-    Deriving them from the block tables costs ~1 ms for 256 rows, and they stay valid while the
-    batch holds the same sequences in the same order: decoding only appends private tokens,
-    and blocks a group shares are committed, so no table entry under them changes. So they are
-    derived again only when the batch's sequence ids change. Returns None when sharing would
-    not pay (fewer than `min_saved_tokens` KV tokens per layer not re-read).
-    """
-
-    def __init__(self, block_size: int, min_saved_tokens: int, *, min_shared_blocks: int = 8, max_levels: int = 2,
-                 device=None):
-        from kernels.shared_prefix import derive_groups
-
-        self._derive = derive_groups
-        self.block_size, self.min_saved_tokens = block_size, min_saved_tokens
-        self.min_shared_blocks, self.max_levels = min_shared_blocks, max_levels
-        self.device = device
-        self._key: tuple | None = None
-        self._groups = self._on_device = None
-        self.num_derived = 0  # how often groups were derived, and the host seconds it took
-        self.derive_seconds = 0.0
-
-    def get(self, seq_ids: tuple, block_tables: np.ndarray, seq_lens: np.ndarray):
-        """(groups on the CPU, the same on `device`) for a decode batch, or (None, None)."""
-        if seq_ids != self._key:
-            import torch
-
-            t = time.perf_counter()
-            groups = self._derive(torch.from_numpy(block_tables), torch.from_numpy(seq_lens),
-                                  block_size=self.block_size, min_shared_blocks=self.min_shared_blocks,
-                                  max_levels=self.max_levels)
-            self.num_derived += 1
-            self.derive_seconds += time.perf_counter() - t
-            self._key = seq_ids
-            if groups.num_groups and groups.saved_tokens >= max(1, self.min_saved_tokens):
-                self._groups = groups
-                self._on_device = groups if self.device is None else groups.to(self.device, non_blocking=True)
-            else:
-                self._groups = self._on_device = None
-        return self._groups, self._on_device
-
-    @property
-    def current(self):
-        """The CPU groups of the last batch asked about (None: it does not share enough)."""
-        return self._groups
-
-    def clear(self) -> None:
-        self._key = None
-        self._groups = self._on_device = None

@@ -6,8 +6,13 @@ nothing the step is judged by: KV slot writes and block copies are redone identi
 a step is computed again, and the extra samples of a request whose prompt just finished are
 plain Sequence objects until applied. Apply commits what was computed to the radix cache,
 forks those samples, appends the sampled tokens and checks stop conditions. Beam search
-requests skip the sampler: their beams' log-probs go to beam_search.py, whose choice apply
-carries out with forks and frees (ref counts only).
+requests skip the sampler: their beams' log-probs go to the beam driver (beam_search.py),
+which forks and drops the group's sequences through `_GroupOps` (ref counts only).
+
+Who owns what in a step: the cache manager owns each running sequence's blocks and computed
+tokens (the engine's Sequence reads them there) and is written only through the scheduler
+(admit, reserve, fork, free) and `_commit` here; the runner owns the device-side mirror of
+the block tables and drops a sequence's row when the scheduler's output says it was freed.
 
 NOTE: one request must not take the engine, and every other request, down with it. An
 exception in compute cannot be tied to a request, so the step is computed again in halves
@@ -31,7 +36,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from radixkv.engine.beam_search import BeamSearch, worst_case_blocks
-from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.errors import is_device_error
 from radixkv.engine.metrics import EngineCounters, EngineMetrics
@@ -70,8 +74,7 @@ class Engine:
         self.device = config.resolved_device()
         self.runner = ModelRunner(config, self.model_config, self.device)
         self.block_size, self.num_blocks = config.block_size, self.runner.num_blocks
-        # a sequence can never outgrow the pool: cap the context there too
-        self.max_model_len = min(self.runner.max_positions, self.num_blocks * self.block_size)
+        self.max_model_len = self.runner.max_model_len
         self.cache = KVCacheManager(self.num_blocks, self.block_size, hash_algo=config.hash_algo,
                                     hash_seed=config.hash_seed, enable_prefix_caching=config.enable_prefix_caching,
                                     enable_events=config.enable_cache_events)
@@ -79,8 +82,7 @@ class Engine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk, policy=config.scheduling_policy,
                                    defer_shared_prefill=config.enable_prefix_caching, num_blocks=self.num_blocks)
-        self.tables = BlockTables(config.max_num_seqs, -(-self.max_model_len // self.block_size), self.block_size)
-        self.scheduler.on_free = lambda seq: self.tables.release(seq.seq_id)
+        self._group_ops = _GroupOps(self)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.sampler = Sampler(self.device, self.model_config.eos_token_ids, config.seed)
         self._draws = self.sampler.draws  # apart: profilers wrap self.sampler in a plain function
@@ -99,8 +101,13 @@ class Engine:
         validate_request(self.limits, request_id, prompt_token_ids, params, cache_salt, self.requests)
         req = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), cache_salt)
         if params.use_beam_search:
+            # the next beams are chosen from all beams' logits at once: a gang, never preempted
             req.beam = self._beam_search(len(prompt_token_ids), params)
-        seq = Sequence(next(self._seq_ids), req, 0, list(prompt_token_ids), pending_forks=params.num_samples - 1)
+            req.gang = True
+            req.pinned_blocks = worst_case_blocks(len(prompt_token_ids), req.beam.max_new_tokens, params.num_beams,
+                                                  self.block_size)
+        seq = self._new_sequence(req, 0, list(prompt_token_ids))
+        seq.pending_forks = params.num_samples - 1
         req.seqs.append(seq)
         self.scheduler.add(seq)  # registered last: an exception before leaves nothing behind
         self.requests[request_id] = req
@@ -111,8 +118,11 @@ class Engine:
         max_new = self.max_new_tokens(prompt_len, p)
         return BeamSearch(num_beams=p.num_beams, length_penalty=p.length_penalty, early_stopping=p.early_stopping,
                           max_new_tokens=max_new, finish_token_ids=self.finish_token_ids(p), min_tokens=p.min_tokens,
-                          logprobs=p.logprobs,
-                          worst_blocks=worst_case_blocks(prompt_len, max_new, p.num_beams, self.block_size))
+                          logprobs=p.logprobs)
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int], logprobs: list | None = None) -> Sequence:
+        return Sequence(next(self._seq_ids), req, index, token_ids, self.cache,
+                        logprobs=[] if logprobs is None else logprobs)
 
     @property
     def limits(self) -> RequestLimits:
@@ -145,7 +155,9 @@ class Engine:
         go on after (a device-level error, a broken cache invariant): see the NOTE above."""
         failures = self.counters.requests_failed
         try:
-            scheduled = self.scheduler.schedule().scheduled
+            out = self.scheduler.schedule()
+            self.runner.release_rows(out.freed_seq_ids)
+            scheduled = out.scheduled
         except Exception as exc:
             self._fail_unfinished(exc)
             scheduled = None
@@ -174,9 +186,7 @@ class Engine:
     # ---- compute: forward and sampling, no effect on requests, scheduler or cache ------
     def _compute(self, scheduled: list[tuple[Sequence, int]], copy_ops: list[tuple[int, int]]) -> StepResult:
         self._draws.checkpoint()
-        table = self.cache.block_table
-        rows = self.tables.sync([(s.seq_id, table(s.seq_id), s.num_computed_tokens) for s, _ in scheduled])
-        batch, logits = self.runner.execute(scheduled, self.tables, rows, copy_ops)
+        batch, logits = self.runner.execute(scheduled, self.cache.block_table, copy_ops)
         result = StepResult(scheduled, len(batch.input_ids))
         if logits is not None:
             self._sample(batch.sample_seqs, logits, result)
@@ -193,7 +203,7 @@ class Engine:
             seqs.append(seq)
             # n > 1: the other samples start from this prompt's logits; forked when applied
             for index in range(len(req.seqs), len(req.seqs) + seq.pending_forks):
-                child = Sequence(next(self._seq_ids), req, index, list(seq.token_ids))
+                child = self._new_sequence(req, index, list(seq.token_ids))
                 result.forks.append((seq, child))
                 rows.append(j)
                 seqs.append(child)
@@ -290,8 +300,7 @@ class Engine:
             try:
                 start = seq.num_computed_tokens
                 end = start + n
-                mark_computed(seq.seq_id, seq.token_ids[start:end])
-                seq.num_computed_tokens = end
+                mark_computed(seq.seq_id, seq.token_ids[start:end])  # sampled tokens enter the cache here
                 if start < len(req.prompt_token_ids):
                     k = min(end, len(req.prompt_token_ids)) - start
                     req.num_computed_prompt_tokens += k
@@ -311,36 +320,9 @@ class Engine:
                 self._fail(req, exc)
 
     def _beam_step(self, req: Request, logprobs: torch.Tensor) -> None:
-        beams = req.seqs
-        step = req.beam.step(logprobs, beams)
-        self.counters.generation_tokens += len(beams)
-        if step.done:
-            for s in beams:
-                self.scheduler.finish(s, "stop")
+        self.counters.generation_tokens += len(req.seqs)
+        if req.beam.advance(req, logprobs, self._group_ops):
             self._news[req.request_id] = req
-            return
-        # forks first (children share the parent's blocks), then the dropped beams release theirs
-        continued, children = set(), []
-        for parent_idx, token, entry in step.keep:
-            parent = beams[parent_idx]
-            if parent_idx in continued:
-                child = Sequence(next(self._seq_ids), req, 0, list(parent.token_ids), logprobs=list(parent.logprobs))
-                self.scheduler.fork(parent, child)
-            else:
-                continued.add(parent_idx)
-                child = parent
-            children.append((child, token, entry))
-        for i, s in enumerate(beams):
-            if i not in continued:
-                self.scheduler.drop(s)
-        req.seqs = [c for c, _, _ in children]
-        for rank, ((child, token, entry), score) in enumerate(zip(children, req.beam.scores.tolist())):
-            child.index = rank
-            child.token_ids.append(token)
-            child.cumulative_logprob = score
-            if entry is not None:
-                child.logprobs.append(entry)
-            self.cache.append_tokens(child.seq_id, [token])
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: dict | None) -> None:
         seq.token_ids.append(token)
@@ -355,9 +337,7 @@ class Engine:
             reason = "stop"
         elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        if reason is None:
-            self.cache.append_tokens(seq.seq_id, [token])
-        else:
+        if reason is not None:
             self.scheduler.finish(seq, reason)
 
     # ---- outputs ----------------------------------------------------------------------
@@ -434,6 +414,25 @@ class Engine:
     def metrics(self) -> EngineMetrics:
         s = self.scheduler
         return EngineMetrics(**asdict(self.counters), running=len(s.running), waiting=len(s.waiting),
-                             preemptions=s.num_preemptions, beam_reserved_blocks=s.beam_blocks,
+                             preemptions=s.num_preemptions, beam_reserved_blocks=s.admission.reserved_blocks,
                              num_blocks=self.num_blocks, block_size=self.block_size,
                              max_model_len=self.max_model_len, cache=self.cache.stats())
+
+
+class _GroupOps:
+    """beam_search.GroupOps on the engine: new members are sequences of the request, forked
+    and dropped through the scheduler."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def fork(self, parent: Sequence, index: int) -> Sequence:
+        child = self.engine._new_sequence(parent.request, index, list(parent.token_ids), list(parent.logprobs))
+        self.engine.scheduler.fork(parent, child)
+        return child
+
+    def drop(self, seq: Sequence) -> None:
+        self.engine.scheduler.drop(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.engine.scheduler.finish(seq, reason)

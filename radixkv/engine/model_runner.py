@@ -67,6 +67,11 @@ class ModelRunner:
         )
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        # a sequence can never outgrow the pool: the context is capped there too
+        self.max_model_len = min(self.max_positions, self.num_blocks * self.block_size)
+        # the device-side mirror of the running sequences' block tables (the cache manager's are the truth)
+        self.block_tables = BlockTables(config.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                        self.block_size)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.dtype)
         if self.device.type == "cuda":
@@ -179,12 +184,18 @@ class ModelRunner:
         return torch.from_numpy(arr).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]], tables: BlockTables, rows: list[int],
-                copy_ops: list[tuple[int, int]]) -> tuple[Batch, torch.Tensor | None]:
-        """Run one step; returns the batch and the logits [len(batch.sample_seqs), vocab] (None if empty)."""
+    def release_rows(self, seq_ids: list[int]) -> None:
+        """Sequences freed in the cache: their block-table rows go back."""
+        for seq_id in seq_ids:
+            self.block_tables.release(seq_id)
+
+    def execute(self, scheduled: list[tuple[Sequence, int]], block_table, copy_ops: list[tuple[int, int]]
+                ) -> tuple[Batch, torch.Tensor | None]:
+        """Run one step; block_table(seq_id) gives a sequence's table (the cache manager's).
+        Returns the batch and the logits [len(batch.sample_seqs), vocab] (None if empty)."""
         if copy_ops:
             self._copy_blocks(self.kv_cache, torch.tensor(copy_ops, dtype=torch.int64))
-        batch = build_batch(scheduled, tables, rows)
+        batch = build_batch(scheduled, self.block_tables, self.block_tables.sync_step(scheduled, block_table))
         groups = dev_groups = None
         if self.prefix_groups is not None and batch.is_decode:
             groups, dev_groups = self.prefix_groups.get(tuple(s.seq_id for s, _ in scheduled), batch.block_tables,

@@ -9,11 +9,11 @@ then admitted while the budget, the sequence limit and the pool allow, preempted
 With prefix caching, a waiting prompt whose first block a running sequence is still computing
 waits for that computation (then hits the cache) rather than computing the same blocks twice.
 
-Beam search: the beams of a request are scheduled together (all or none in a step), since
-the next beams are chosen from all their logits at once; they are never preempted. Instead,
-a beam request is admitted only while the worst cases of all admitted beam requests fit the
-pool together (the engine rejects one that cannot fit alone), and a beam that cannot grow
-preempts sequences of other requests, which always free enough.
+Sequence groups (sequence.py): the live sequences of a gang request are scheduled together
+(all or none in a step); a pinned request is never preempted, and admitted only while the
+worst cases of all admitted pinned requests fit the pool together (admission.py); a pinned
+sequence that cannot grow preempts sequences of other requests, which always free enough.
+Beam search is the one user of both; the scheduler knows nothing else of it.
 
 No deadlock: a sequence alone always fits, because the engine rejects up front any request
 whose prompt + max_tokens exceeds the pool, and a sequence that cannot grow preempts others
@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from radixkv.engine.admission import PinnedAdmission
 from radixkv.engine.sequence import Sequence, Status
 
 WINDOW = 64  # waiting sequences looked at per step (beyond those skipped)
@@ -35,6 +36,9 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # sequences whose cache records were freed since the last schedule() (finished, dropped,
+    # failed, preempted): whoever mirrors per-sequence state (the runner's block tables) drops it
+    freed_seq_ids: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -52,9 +56,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._pending_forks = 0  # seats held for samples not forked yet
-        self.num_blocks = cache.stats().num_blocks if num_blocks is None else num_blocks
-        self.beam_blocks = 0  # worst cases of the admitted beam requests, summed
-        self.on_free = None  # called with a sequence whose blocks were just freed
+        self.admission = PinnedAdmission(cache.num_blocks if num_blocks is None else num_blocks)
+        self._freed: list[int] = []  # seq ids freed since the last schedule()
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -73,10 +76,8 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason, seq.pending_forks = Status.FINISHED, reason, 0
-        beam = seq.request.beam
-        if beam is not None and beam.reserved_blocks and all(s.is_finished for s in seq.request.seqs):
-            self.beam_blocks -= beam.reserved_blocks
-            beam.reserved_blocks = 0
+        if seq.request.pinned_blocks and all(s.is_finished for s in seq.request.seqs):
+            self.admission.release(seq.request)
 
     def discard(self, request, reason: str) -> None:
         """Finish every sequence of a request the engine failed, wherever an exception left it:
@@ -96,36 +97,33 @@ class Scheduler:
             if seq.seq_id in self.cache:
                 self._free(seq)
             seq.status, seq.finish_reason, seq.pending_forks = Status.FINISHED, reason, 0
-        beam = request.beam
-        if beam is not None and beam.reserved_blocks:
-            self.beam_blocks -= beam.reserved_blocks
-            beam.reserved_blocks = 0
+        self.admission.release(request)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Child shares all of parent's blocks (a sample once the prompt is computed, or a beam)."""
-        assert parent.status is Status.RUNNING and (parent.pending_forks > 0 or parent.request.beam is not None)
+        """Child shares all of parent's blocks: a sample once the prompt is computed (its seat
+        held since admission), or a member of a pinned group (its worst case reserved)."""
+        assert parent.status is Status.RUNNING and (parent.pending_forks > 0 or parent.request.pinned_blocks)
         self.cache.fork(parent.seq_id, child.seq_id)
-        if parent.pending_forks:  # a seat held since admission
+        if parent.pending_forks:
             parent.pending_forks -= 1
             self._pending_forks -= 1
-        child.num_computed_tokens = parent.num_computed_tokens
         child.status = Status.RUNNING
         self.running.append(child)
 
     def drop(self, seq: Sequence) -> None:
-        """A beam with no continuation: its blocks are released (shared ones stay with the others)."""
-        assert seq.status is Status.RUNNING and seq.request.beam is not None
+        """A group member with no continuation (a beam not chosen): its blocks are released,
+        shared ones stay with the others; the group goes on."""
+        assert seq.status is Status.RUNNING and seq.request.gang
         self.running.remove(seq)
         self._free(seq)
         seq.status = Status.FINISHED
 
     def _free(self, seq: Sequence) -> None:
         self.cache.free(seq.seq_id)
-        if self.on_free is not None:
-            self.on_free(seq)
+        self._freed.append(seq.seq_id)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        assert seq.request.beam is None, "beams are never preempted"
+        assert not seq.request.pinned_blocks, "pinned groups are never preempted"
         for i, (s, n) in enumerate(out.scheduled):  # a victim scheduled earlier in this step
             if s is seq:
                 del out.scheduled[i]
@@ -135,7 +133,7 @@ class Scheduler:
         self.running.remove(seq)
         self._pending_forks -= seq.pending_forks
         self._free(seq)
-        seq.status, seq.num_computed_tokens, seq.preempted = Status.WAITING, 0, True
+        seq.status, seq.preempted = Status.WAITING, True  # its tokens stay, to be computed again
         self.waiting.appendleft(seq)  # victims leave latest-first, so earlier ones end up in front
         self.num_preemptions += 1
 
@@ -147,17 +145,17 @@ class Scheduler:
         out = SchedulerOutput()
         limit, chunk, reserve, running = self.max_num_batched_tokens, self.max_prefill_chunk, \
             self.cache.try_reserve, Status.RUNNING
-        beams_done = set()
+        gangs_done = set()
         for seq in list(self.running):  # a copy: preemption removes from the list
             budget = limit - out.num_batched_tokens
             if budget <= 0:
                 break
             if seq.status is not running:  # preempted earlier in this step
                 continue
-            if seq.request.beam is not None:
-                if id(seq.request) not in beams_done:
-                    beams_done.add(id(seq.request))
-                    self._schedule_beams(seq.request.seqs, budget, out)
+            if seq.request.gang:
+                if id(seq.request) not in gangs_done:
+                    gangs_done.add(id(seq.request))
+                    self._schedule_gang(seq.request.seqs, budget, out)
                 continue
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget, chunk)
             assert n > 0, "a running sequence has nothing to compute"
@@ -166,35 +164,36 @@ class Scheduler:
                 out.num_batched_tokens += n
         if not out.preempted:  # admitting right after a preemption would only thrash
             out.num_batched_tokens = limit - self._admit(out, limit - out.num_batched_tokens)
+        out.freed_seq_ids, self._freed = self._freed, []
         return out
 
-    def _schedule_beams(self, beams: list[Sequence], budget: int, out: SchedulerOutput) -> None:
-        """All live beams of a request, or none (not enough budget: they wait a step)."""
-        chunks = [self._chunk(s, budget) for s in beams]
+    def _schedule_gang(self, members: list[Sequence], budget: int, out: SchedulerOutput) -> None:
+        """All live members of a gang request, or none (not enough budget: they wait a step)."""
+        chunks = [self._chunk(s, budget) for s in members]
         if sum(chunks) > budget:
             return
-        for s, n in zip(beams, chunks):
-            assert n > 0, "a beam has nothing to compute"
+        for s, n in zip(members, chunks):
+            assert n > 0, "a gang member has nothing to compute"
             ok = self._reserve(s, n, out)
             assert ok
             out.scheduled.append((s, n))
             out.num_batched_tokens += n
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Reserve n slots, preempting the latest running non-beam sequences as needed; False if
+        """Reserve n slots, preempting the latest running unpinned sequences as needed; False if
         `seq` itself was preempted."""
         while not self.cache.try_reserve(seq.seq_id, n):
             victim = self._victim()
-            assert victim is not None, "beam requests outgrew their reservation"
+            assert victim is not None, "pinned groups outgrew their reservation"
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
 
     def _victim(self) -> Sequence | None:
-        if not self.beam_blocks:
+        if not self.admission.reserved_blocks:
             return self.running[-1] if self.running else None
-        return next((s for s in reversed(self.running) if s.request.beam is None), None)
+        return next((s for s in reversed(self.running) if not s.request.pinned_blocks), None)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         hits = self._lpm_hits() if self.policy == "lpm" else None
@@ -207,9 +206,8 @@ class Scheduler:
             seq = self.waiting[idx]
             if len(self.running) + self._pending_forks + 1 + seq.pending_forks > self.max_num_seqs:
                 break
-            beam = seq.request.beam
-            if beam is not None and self.beam_blocks + beam.worst_blocks > self.num_blocks:
-                break  # admitted beam requests could not all grow to their longest
+            if not self.admission.fits(seq.request):
+                break  # admitted pinned groups could not all grow to their worst case
             salt = seq.request.cache_salt
             if heads is not None and not seq.preempted and self._computing_its_blocks(seq, heads):
                 # a running sequence is computing blocks this prompt shares: admitted a step
@@ -230,12 +228,10 @@ class Scheduler:
             del self.waiting[idx]
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = hit
-            seq.status, seq.num_computed_tokens, seq.preempted = Status.RUNNING, hit, False
+            seq.status, seq.preempted = Status.RUNNING, False  # its computed tokens: the hit
             self.running.append(seq)
             self._pending_forks += seq.pending_forks
-            if beam is not None:
-                beam.reserved_blocks = beam.worst_blocks
-                self.beam_blocks += beam.worst_blocks
+            self.admission.admit(seq.request)
             out.scheduled.append((seq, n))
             budget -= n
             if heads is not None:

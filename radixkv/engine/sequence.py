@@ -4,6 +4,15 @@ A Request owns one Sequence per sample. With n > 1 only the first sequence exist
 prompt is computed; then the others are forked from it (sharing every block) and sample
 their first token from the same logits. With beam search, `seqs` holds the live beams, best
 first; each step replaces them (forks of the chosen parents, see beam_search.py).
+
+A request's sequences form a group with two scheduling properties, whatever made them: `gang`
+(all live sequences run in the same step or none does) and `pinned_blocks` (> 0: never
+preempted; that many blocks, the group's worst case, are reserved when it is admitted).
+Beam search sets both, since the next beams are chosen from all beams' logits at once.
+
+NOTE: how many tokens of a sequence are computed is the cache manager's fact (its record of
+the sequence); `Sequence.num_computed_tokens` reads it there, so no second count is kept in
+step with it. A sequence not running holds no cache record and has none computed.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from typing import TYPE_CHECKING
 from radixkv.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from radixkv.cache import KVCacheManager
     from radixkv.engine.beam_search import BeamSearch
 
 
@@ -30,8 +40,8 @@ class Sequence:
     request: "Request"
     index: int  # sample number within the request
     token_ids: list[int]  # prompt + output so far
+    cache: "KVCacheManager"  # holds the sequence's record (blocks, computed tokens) while it runs
     status: Status = Status.WAITING
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache (mirrors the cache manager)
     pending_forks: int = 0  # samples to fork from this sequence when its prompt is computed
     preempted: bool = False  # waiting again after a preemption: admitted before new sequences
     cumulative_logprob: float = 0.0
@@ -39,6 +49,13 @@ class Sequence:
     finish_reason: str | None = None
     num_emitted: int = 0  # output tokens already reported
     generator: object | None = None  # torch.Generator for seeded sampling, made on first use
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is in the cache."""
+        if self.status is not Status.RUNNING:
+            return 0
+        return self.cache.num_computed_tokens(self.seq_id)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -106,6 +123,8 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     aborted: bool = False
     beam: "BeamSearch | None" = None  # beam search state (use_beam_search)
+    gang: bool = False  # its live sequences are scheduled together (see the module docstring)
+    pinned_blocks: int = 0  # > 0: never preempted, this worst case reserved at admission
     num_computed_prompt_tokens: int = 0  # prompt positions computed, over all sequences and recomputes
     sharing: BlockSharing = field(default_factory=BlockSharing)
 
