@@ -161,26 +161,52 @@ def test_accounting(make):
     assert st.slot_utilization == 1.0 and st.hit_rate == 0.0
 
 
-def test_events_carry_keys_and_parent_keys(make):
+def with_events(make):
+    """A manager with events on whose sequence "a" computed 10 prompt tokens, then 2 more
+    (3 blocks: 2 from the prompt, 1 from the decode); the events so far are not taken."""
     m = make(6, enable_events=True)
     prompt = list(range(10))
     run(m, "a", prompt)
     assert m.try_reserve("a", 2)
     m.mark_tokens_computed("a", [1, 2])
     keys = prompt_block_keys(prompt + [1, 2], B, hash_algo=m.hasher.algo)
+    return m, prompt, keys
+
+
+def test_stored_events_carry_keys_and_parent_keys(make):
+    m, prompt, keys = with_events(make)
     e1, e2 = m.take_events()
     table = m.block_table("a")
     assert e1 == BlockStored(tuple(keys[:2]), None, tuple(prompt[:8]), B, None, None, tuple(table[:2]))
     assert e2.block_ids == (table[2],)
     assert e2.block_keys == (keys[2],) and e2.parent_key == keys[1] and e2.token_ids == (8, 9, 1, 2)
+
+
+def test_events_are_taken_once(make):
+    m, _, _ = with_events(make)
+    m.take_events()
     assert m.take_events() == []
+
+
+def test_eviction_emits_a_removed_event_for_the_lru_leaf_tail(make):
+    m, _, keys = with_events(make)
+    table = m.block_table("a")
+    m.take_events()
     m.free("a")
     run(m, "b", [40] * 16)  # 4 blocks: 3 free, then the LRU leaf's tail goes
     removed = [e for e in m.take_events() if isinstance(e, BlockRemoved)]
     assert [(e.block_keys, e.block_ids, e.salt, e.adapter_id) for e in removed] == [((keys[2],), (table[2],), None, None)]
     assert table[2] in m.block_table("b")  # the evicted block was handed to b
+
+
+def test_reset_emits_one_removed_event_for_every_cached_block(make):
+    m, _, keys = with_events(make)
+    table = m.block_table("a")
+    m.free("a")
+    run(m, "b", [40] * 16)  # evicts a's tail block (as above)
     b_table = m.block_table("b")
     m.free("b")
+    m.take_events()
     assert m.reset_prefix_cache()
     (gone,) = m.take_events()
     assert set(gone.block_keys) == set(keys[:2]) | set(prompt_block_keys([40] * 16, B, hash_algo=m.hasher.algo))
@@ -208,37 +234,45 @@ def test_reset_is_refused_while_a_block_is_referenced(make):
     m.check_invariants()
 
 
-def test_errors_name_the_argument_and_change_nothing(make):
+# (exception, message, bad call) on a manager whose "a" computed 6 tokens; ids name the call
+BAD_CALLS = [
+    pytest.param(KeyError, "'zz'", lambda m: m.free("zz"), id="free-unknown"),
+    pytest.param(KeyError, "'zz'", lambda m: m.try_reserve("zz", 1), id="try_reserve-unknown"),
+    pytest.param(KeyError, "'zz'", lambda m: m.mark_tokens_computed("zz", [1]), id="mark_tokens_computed-unknown"),
+    pytest.param(KeyError, "'zz'", lambda m: m.block_table("zz"), id="block_table-unknown"),
+    pytest.param(KeyError, "'zz'", lambda m: m.fork("zz", "y"), id="fork-unknown-parent"),
+    pytest.param(ValueError, "already in use", lambda m: m.add_sequence("a", [1]), id="add_sequence-live-id"),
+    pytest.param(ValueError, "already in use", lambda m: m.fork("a", "a"), id="fork-live-child-id"),
+    pytest.param(ValueError, "empty", lambda m: m.add_sequence("n", []), id="add_sequence-empty"),
+    pytest.param(ValueError, r"token_ids\[1\]", lambda m: m.add_sequence("n", [1, -2]), id="add_sequence-negative-token"),
+    pytest.param(ValueError, r"token_ids\[0\]", lambda m: m.add_sequence("n", [2**32]), id="add_sequence-token-over-32-bit"),
+    pytest.param(ValueError, r"token_ids\[0\]", lambda m: m.append_tokens("a", [0.5]), id="append_tokens-float-token"),
+    pytest.param(ValueError, "salt", lambda m: m.add_sequence("n", [1, 2], salt=7), id="add_sequence-int-salt"),
+    pytest.param(ValueError, "adapter_id", lambda m: m.add_sequence("n", [1, 2], adapter_id=[1]), id="add_sequence-list-adapter"),
+    pytest.param(ValueError, "hashable", lambda m: m.add_sequence(["n"], [1, 2]), id="add_sequence-unhashable-id"),
+    pytest.param(ValueError, "num_tokens", lambda m: m.try_reserve("a", -1), id="try_reserve-negative"),
+    pytest.param(ValueError, "num_tokens", lambda m: m.try_reserve("a", 1.0), id="try_reserve-float"),
+    pytest.param(ValueError, "num_tokens", lambda m: m.blocks_short("a", True), id="blocks_short-bool"),
+    pytest.param(ValueError, "try_reserve first", lambda m: m.mark_tokens_computed("a", [1]), id="mark_tokens_computed-unreserved"),
+    pytest.param(ValueError, r"token_ids\[0\]", lambda m: m.mark_tokens_computed("a", [-1]), id="mark_tokens_computed-negative-token"),
+    pytest.param(ValueError, "block_id", lambda m: m.ref_count(8), id="ref_count-out-of-range"),
+    pytest.param(ValueError, "block_id", lambda m: m.ref_count(True), id="ref_count-bool"),
+]
+
+
+@pytest.mark.parametrize("exc, match, call", BAD_CALLS)
+def test_errors_name_the_argument_and_change_nothing(make, exc, match, call):
     m = make(8)
     run(m, "a", list(range(6)))
     snap = snapshot(m, ["a"])
-    bad_calls = [
-        (KeyError, "'zz'", lambda: m.free("zz")),
-        (KeyError, "'zz'", lambda: m.try_reserve("zz", 1)),
-        (KeyError, "'zz'", lambda: m.mark_tokens_computed("zz", [1])),
-        (KeyError, "'zz'", lambda: m.block_table("zz")),
-        (KeyError, "'zz'", lambda: m.fork("zz", "y")),
-        (ValueError, "already in use", lambda: m.add_sequence("a", [1])),
-        (ValueError, "already in use", lambda: m.fork("a", "a")),
-        (ValueError, "empty", lambda: m.add_sequence("n", [])),
-        (ValueError, r"token_ids\[1\]", lambda: m.add_sequence("n", [1, -2])),
-        (ValueError, r"token_ids\[0\]", lambda: m.add_sequence("n", [2**32])),
-        (ValueError, r"token_ids\[0\]", lambda: m.append_tokens("a", [0.5])),
-        (ValueError, "salt", lambda: m.add_sequence("n", [1, 2], salt=7)),
-        (ValueError, "adapter_id", lambda: m.add_sequence("n", [1, 2], adapter_id=[1])),
-        (ValueError, "hashable", lambda: m.add_sequence(["n"], [1, 2])),
-        (ValueError, "num_tokens", lambda: m.try_reserve("a", -1)),
-        (ValueError, "num_tokens", lambda: m.try_reserve("a", 1.0)),
-        (ValueError, "num_tokens", lambda: m.blocks_short("a", True)),
-        (ValueError, "try_reserve first", lambda: m.mark_tokens_computed("a", [1])),
-        (ValueError, r"token_ids\[0\]", lambda: m.mark_tokens_computed("a", [-1])),
-        (ValueError, "block_id", lambda: m.ref_count(8)),
-        (ValueError, "block_id", lambda: m.ref_count(True)),
-    ]
-    for exc, match, call in bad_calls:
-        with pytest.raises(exc, match=match):
-            call()
-        assert snapshot(m, ["a"]) == snap, match
+    with pytest.raises(exc, match=match):
+        call(m)
+    assert snapshot(m, ["a"]) == snap
+
+
+def test_freeing_twice_says_already_freed(make):
+    m = make(8)
+    run(m, "a", list(range(6)))
     m.free("a")
     with pytest.raises(KeyError, match="already freed"):
         m.free("a")
@@ -255,13 +289,18 @@ def test_bad_construction(kw, name):
         KVCacheManager(**kw)
 
 
-def test_check_invariants_detects_corruption(make):
+# These two corrupt the pool's and the tree's private state on purpose: no public call can.
+def test_check_invariants_detects_a_wrong_ref_count(make):
     m = make(8)
     run(m, "a", list(range(9)))
     m.pool.ref[m.block_table("a")[0]] += 1
     with pytest.raises(AssertionError, match="ref count"):
         m.check_invariants()
-    m.pool.ref[m.block_table("a")[0]] -= 1
+
+
+def test_check_invariants_detects_a_wrong_block_key(make):
+    m = make(8)
+    run(m, "a", list(range(9)))
     node = m.tree.node_of[m.block_table("a")[0]]
     node.keys[0] = b"x" * len(node.keys[0])
     with pytest.raises(AssertionError, match="key"):
