@@ -200,10 +200,11 @@ def spied_manager(num_blocks):
     return m, writers
 
 
-def test_only_the_pool_writes_ref_counts_and_only_advance_clock_moves_the_clock():
-    """Every path that moves a ref count: allocation, a hit (lock), fork, copy-on-write,
-    dedup at commit, free (committed chain, and an uncommitted block another sequence
-    cached), eviction, reset."""
+@pytest.fixture(scope="module")
+def spied_run():
+    """Every path that moves a ref count, on a spied manager: allocation, a hit (lock), fork,
+    copy-on-write, dedup at commit, free (committed chain, and an uncommitted block another
+    sequence cached), eviction, reset. Returns (the stats before the reset, the writers)."""
     m, writers = spied_manager(12)
     run(m, "a", list(range(9)))
     run(m, "hit", list(range(9)) + [50])  # pins a's 2 cached blocks
@@ -213,8 +214,8 @@ def test_only_the_pool_writes_ref_counts_and_only_advance_clock_moves_the_clock(
     m.mark_tokens_computed("a", [9, 10, 11])  # a's copy of block 2 is committed and cached
     m.add_sequence("d1", [70] * 8)
     m.add_sequence("d2", [70] * 8)
-    for sid in ("d1", "d2"):
-        assert m.try_reserve(sid, 8)
+    assert m.try_reserve("d1", 8)
+    assert m.try_reserve("d2", 8)
     m.mark_tokens_computed("d1", [70] * 8)
     m.mark_tokens_computed("d2", [70] * 8)  # twins of d1's blocks: dedup
     for sid in ("a", "hit", "kid", "d1", "d2"):
@@ -228,15 +229,43 @@ def test_only_the_pool_writes_ref_counts_and_only_advance_clock_moves_the_clock(
     m.check_invariants()
     run(m, "big", [90] * 40)  # takes the whole pool: evicts every cached block
     m.free("big")
-    assert m.stats().evicted_blocks > 0 and m.stats().deduplicated_blocks == 2
-    assert m.stats().copy_on_write_blocks == 2
+    stats = m.stats()
     assert m.reset_prefix_cache()
     m.check_invariants()
+    return stats, writers
 
+
+# the run covers eviction, dedup and copy-on-write, so the writer checks below are not vacuous
+def test_the_spied_run_evicts(spied_run):
+    stats, _ = spied_run
+    assert stats.evicted_blocks > 0
+
+
+@pytest.mark.parametrize("counter", ["deduplicated_blocks", "copy_on_write_blocks"])
+def test_the_spied_run_dedups_and_copies_twice(spied_run, counter):
+    stats, _ = spied_run
+    assert getattr(stats, counter) == 2
+
+
+def test_only_the_pool_writes_ref_counts(spied_run):
+    _, writers = spied_run
     pool_code = _methods(BlockPool)
     assert writers["ref"] and writers["ref"] <= pool_code, [c.co_qualname for c in writers["ref"] - pool_code]
+
+
+def test_only_the_pool_writes_the_evictable_count(spied_run):
+    _, writers = spied_run
+    pool_code = _methods(BlockPool)
     assert writers["num_evictable"] <= pool_code, [c.co_qualname for c in writers["num_evictable"] - pool_code]
-    # the spies saw the transitions, so the check above is not vacuous
+
+
+def test_the_spies_saw_every_pool_transition(spied_run):
+    """So that the two checks above are not vacuous."""
+    _, writers = spied_run
     names = {c.co_name for c in writers["ref"] | writers["num_evictable"]}
     assert {"allocate", "incref", "incref_many", "decref", "decref_many", "decref_chain", "evicted"} <= names
+
+
+def test_only_advance_clock_moves_the_clock(spied_run):
+    _, writers = spied_run
     assert {c.co_qualname for c in writers["tick"]} == {"RadixTree.advance_clock"}
