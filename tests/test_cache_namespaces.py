@@ -3,6 +3,8 @@ leave the manager's memory and the cost of stats() flat. Block size 4."""
 
 import tracemalloc
 
+import pytest
+
 from radixkv.cache import KVCacheManager
 from test_cache_cases import B, make  # noqa: F401 - make is a fixture
 
@@ -16,9 +18,8 @@ def one_shot(m, i, length):
 
 
 def internal_sizes(m):
-    """Sizes of every structure that could grow per tenant."""
-    tree = m.tree
-    return (len(tree.namespaces), len(m._seqs), len(tree.lru), tree.num_cached, m.pool.num_free,
+    """Sizes of every structure that could grow per tenant (the LRU has no public size)."""
+    return (m.num_namespaces, m.num_sequences, len(m.tree.lru), m.num_cached_blocks, m.num_free_blocks,
             len(m.stats().per_salt))
 
 
@@ -65,9 +66,10 @@ def test_refused_admission_leaves_no_namespace(make):
     assert m.blocks_short_to_admit(list(range(13)), salt="new") == 2
 
 
-def test_one_shot_salts_leave_memory_and_stats_flat():
-    """100,000 tenants seen once each, half caching a block that later ones evict: what the
-    manager holds after 1,000 is what it holds after 100,000."""
+@pytest.fixture(scope="module")
+def one_shots():
+    """100,000 tenants seen once each, half caching a block that later ones evict. Returns
+    (the manager, {"sizes": (after 1k, after 100k), "memory": (after 1k, after 100k)})."""
     m = KVCacheManager(64, B)
     tracemalloc.start()
     try:
@@ -81,8 +83,32 @@ def test_one_shot_salts_leave_memory_and_stats_flat():
         mem_100k = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
-    assert m.num_namespaces <= 64  # at most one per cached block
+    return m, {"sizes": (sizes_1k, sizes_100k), "memory": (mem_1k, mem_100k)}
+
+
+def test_one_shot_salts_hold_at_most_one_namespace_per_cached_block(one_shots):
+    m, _ = one_shots
+    assert m.num_namespaces <= 64
+
+
+def test_one_shot_salts_leave_the_structures_flat(one_shots):
+    """What the manager holds after 1,000 tenants is what it holds after 100,000."""
+    _, seen = one_shots
+    sizes_1k, sizes_100k = seen["sizes"]
     assert sizes_100k == sizes_1k
-    assert mem_100k - mem_1k < 16 * 1024, (mem_1k, mem_100k)  # flat: no per-tenant residue
+
+
+def test_one_shot_salts_leave_memory_flat(one_shots):
+    _, seen = one_shots
+    mem_1k, mem_100k = seen["memory"]
+    assert mem_100k - mem_1k < 16 * 1024, (mem_1k, mem_100k)  # no per-tenant residue
+
+
+def test_one_shot_salts_count_every_query_token(one_shots):
+    m, _ = one_shots
     assert m.stats().prefix_query_tokens == sum(1 + i % 6 for i in range(100_000))
+
+
+def test_one_shot_salts_leave_a_consistent_manager(one_shots):
+    m, _ = one_shots
     m.check_invariants()
