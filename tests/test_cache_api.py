@@ -73,8 +73,17 @@ def test_admission_with_lookahead_and_a_hit(make):
     assert m.num_computed_tokens("b") == 8 and len(m.block_table("b")) == 3
     st = m.stats()
     assert (st.prefix_query_tokens, st.prefix_hit_tokens) == (18, 8)
+
+
+def test_admission_of_a_live_id_is_refused(make):
+    m = make(8)
+    assert m.try_admit("b", list(range(9)), num_lookahead_tokens=3)
     with pytest.raises(ValueError, match="already in use"):
         m.try_admit("b", [1])
+
+
+def test_a_negative_lookahead_names_the_argument(make):
+    m = make(8)
     with pytest.raises(ValueError, match="num_lookahead_tokens"):
         m.blocks_short_to_admit([1], num_lookahead_tokens=-1)
 
@@ -95,16 +104,37 @@ def test_accessors(make):
     assert m.ref_count(t[0]) == 0 and m.num_evictable_blocks == 2 and m.num_in_use_blocks == 0
 
 
-def test_old_names_warn_and_still_work():
+def old_names_manager():
     m = KVCacheManager(8, B)
     m.add_sequence("a", list(range(6)))
+    return m
+
+
+def test_reserve_slots_warns_and_returns_the_shortfall():
+    m = old_names_manager()
     with pytest.warns(DeprecationWarning, match="try_reserve"):
         assert m.reserve_slots("a", 40) == 10 - 8  # blocks missing, nothing changed
     with pytest.warns(DeprecationWarning, match="try_reserve"):
         assert m.reserve_slots("a", 6) == 0
+
+
+def test_mark_computed_warns_and_still_marks():
+    m = old_names_manager()
+    with pytest.warns(DeprecationWarning, match="try_reserve"):
+        m.reserve_slots("a", 40)  # refused first: it must leave nothing behind
+        m.reserve_slots("a", 6)
     with pytest.warns(DeprecationWarning, match="mark_tokens_computed"):
+        m.mark_computed("a", 6)
+    assert m.num_computed_tokens("a") == 6 and m.stats().cached_blocks == 1
+    m.check_invariants()
+
+
+def test_mark_computed_past_the_known_tokens_says_append_tokens_first():
+    m = old_names_manager()
+    with pytest.warns(DeprecationWarning):
+        m.reserve_slots("a", 6)
         m.mark_computed("a", 6)
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="append_tokens first"):
         m.mark_computed("a", 1)
-    assert m.num_computed_tokens("a") == 6 and m.stats().cached_blocks == 1
+    assert m.num_computed_tokens("a") == 6  # the refused call marked nothing
     m.check_invariants()
