@@ -10,23 +10,48 @@ from kernels.backend import NAMES, KernelOps, ops_for
 
 FUSED = ("add_rms_norm", "silu_mul", "rope_qk_")  # None: the model's own torch ops
 OPTIONAL = FUSED + ("plan_step",)
+# every other entry but the name and the prefix_groups flag: a function each backend must bring
+REQUIRED = tuple(f.name for f in dataclasses.fields(KernelOps) if f.name not in OPTIONAL + ("name", "prefix_groups"))
+# the optional entries each backend brings (test_what_each_backend_brings: the rest are None)
+BRINGS = {"triton": FUSED, "torch": ("plan_step",), "reference": ()}
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_backend_name_gives_a_complete_table(name):
+def test_every_backend_name_gives_a_table_of_its_name(name):
     ops = ops_for(name, "cpu")
     assert isinstance(ops, KernelOps) and ops.name == name
-    for f in dataclasses.fields(KernelOps):
-        value = getattr(ops, f.name)
-        if f.name == "name":
-            continue
-        if f.name == "prefix_groups":
-            assert isinstance(value, bool)
-        elif f.name in OPTIONAL:
-            assert value is None or callable(value), f.name
-        else:
-            assert callable(value), f.name
-    assert ops_for(name, "cpu") is ops  # built once per name
+
+
+@pytest.mark.parametrize("field", REQUIRED)
+@pytest.mark.parametrize("name", NAMES)
+def test_every_required_entry_is_a_function(name, field):
+    assert callable(getattr(ops_for(name, "cpu"), field))
+
+
+@pytest.mark.parametrize("name, field", [(n, f) for n in NAMES for f in BRINGS[n]],
+                         ids=[f"{n}-{f}" for n in NAMES for f in BRINGS[n]])
+def test_an_optional_entry_a_backend_brings_is_a_function(name, field):
+    assert callable(getattr(ops_for(name, "cpu"), field))
+
+
+def test_the_optional_entries_are_the_known_ones():
+    """BRINGS names only optional entries, and every backend is in it."""
+    assert set(BRINGS) == set(NAMES) and all(set(fields) <= set(OPTIONAL) for fields in BRINGS.values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prefix_groups_is_a_bool(name):
+    assert isinstance(ops_for(name, "cpu").prefix_groups, bool)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_table_is_built_once_per_name(name):
+    assert ops_for(name, "cpu") is ops_for(name, "cpu")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_table_is_frozen(name):
+    ops = ops_for(name, "cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):
         ops.store_kv = None
 
