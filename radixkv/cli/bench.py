@@ -18,7 +18,7 @@ BENCHMARKS = {
     "kernels": ("benchmarks.kernels", "paged attention kernels vs contiguous SDPA (GPU)"),
     "shared-prefix": ("benchmarks.shared_prefix", "shared-prefix (cascade) decode attention vs the plain paged kernel (GPU)"),
     "profile-engine": ("benchmarks.profile_engine", "where a GPU engine step's time goes, shared-prompt workload (GPU)"),
-    "overhead": ("benchmarks.overhead", "host CPU time per engine step around the forward, full decode batch (CPU)"),
+    "host": ("benchmarks.host", "host CPU time per decode step by phase, stub forward, 32-512 sequences (CPU)"),
     "cpu-attention": ("benchmarks.cpu_attention", "paged attention variants on the CPU at decode sizes"),
     "cpu-linear": ("benchmarks.cpu_linear", "linear layers on the CPU at decode sizes, SmolLM2-135M's shapes"),
     "throughput": ("benchmarks.throughput", "engine throughput vs HF transformers on one GPU"),
