@@ -54,18 +54,29 @@ def test_gqa_mqa_mha(kv_heads, group, head_dim):
     _check(case, torch.float32, f"kvh={kv_heads} g={group} d={head_dim}")
 
 
+RAGGED_DECODES = [1, 7, 8, 9, 16, 17, 40, 64, 65, 3]  # contexts of one-token decodes
+
+
+def _decode_group_sizes(group_tokens):
+    """Checks ragged decodes against the reference under `group_tokens`; their group sizes, sorted."""
+    ctx = RAGGED_DECODES
+    case = make_case([1] * len(ctx), ctx, block_size=8, kv_heads=3, group=3, head_dim=16, dtype=torch.float32)
+    plan = _check(case, torch.float32, f"group_tokens={group_tokens}", group_tokens=group_tokens)
+    return sorted(g.n for g in plan.groups)
+
+
 @pytest.mark.parametrize("group_tokens", [1, 40, 2048, 1 << 40])
 def test_every_grouping_of_decodes(group_tokens):
     # ragged decodes: one row per group, a few per group, all in one padded group
-    ctx = [1, 7, 8, 9, 16, 17, 40, 64, 65, 3]
-    case = make_case([1] * len(ctx), ctx, block_size=8, kv_heads=3, group=3, head_dim=16, dtype=torch.float32)
-    plan = _check(case, torch.float32, f"group_tokens={group_tokens}", group_tokens=group_tokens)
-    sizes = sorted(g.n for g in plan.groups)
-    assert sum(sizes) == len(ctx)
-    if group_tokens == 1:
-        assert sizes == [1] * len(ctx)
-    if group_tokens == 1 << 40:
-        assert sizes == [len(ctx)]
+    assert sum(_decode_group_sizes(group_tokens)) == len(RAGGED_DECODES)
+
+
+def test_one_token_groups_put_each_decode_alone():
+    assert _decode_group_sizes(1) == [1] * len(RAGGED_DECODES)
+
+
+def test_an_unbounded_group_holds_every_decode():
+    assert _decode_group_sizes(1 << 40) == [len(RAGGED_DECODES)]
 
 
 def test_decode_rows_out_of_order_in_a_mixed_batch():
@@ -126,46 +137,70 @@ def test_random_batches(dtype):
         _check(case, dtype, f"seed={seed} B={bs} n_q={n_q} ctx={ctx} shared={s} {kw}", **kw)
 
 
-def test_plan_built_inside_when_not_given_and_checked_when_given():
+def test_plan_built_inside_when_not_given():
     case = make_case(*MIXED, block_size=8, kv_heads=2, group=2, head_dim=16, dtype=torch.float32)
     out = paged_attention_cpu(*case.args(), scale=case.scale, max_seqlen_q=case.max_seqlen_q)
     ref = paged_attention_ref(*case.args(torch.float64), scale=case.scale, max_seqlen_q=case.max_seqlen_q)
     assert_close(out, ref, TOL[torch.float32], case.seed)
+
+
+def test_a_given_plan_is_checked_against_the_batch():
+    case = make_case(*MIXED, block_size=8, kv_heads=2, group=2, head_dim=16, dtype=torch.float32)
     other = make_case([1, 1], [5, 9], block_size=8, kv_heads=2, group=2, head_dim=16, dtype=torch.float32)
     plan = plan_attention(other.block_tables, other.cu_seqlens_q, other.seq_lens, block_size=8, kv_heads=2)
     with pytest.raises(ValueError, match="plan"):
         paged_attention_cpu(*case.args(), scale=case.scale, max_seqlen_q=case.max_seqlen_q, plan=plan)
 
 
-def test_small_layers_run_on_one_thread_and_restore_the_count(monkeypatch):
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _attend_threads(monkeypatch, what):
+    """Checks a small layer against the reference; the intra-op thread count each _attend call saw."""
     import kernels.cpu_attention as ca
 
     case = make_case([1, 1, 3], [40, 9, 12], block_size=8, kv_heads=2, group=2, head_dim=16, dtype=torch.float32)
-    threads = torch.get_num_threads()
     seen = []
-    real = ca._attend
+    real = ca._attend  # no public hook sees the thread count inside the kernel
     monkeypatch.setattr(ca, "_attend", lambda *a: seen.append(torch.get_num_threads()) or real(*a))
-    torch.set_num_threads(2)
-    try:
-        _check(case, torch.float32, "one thread")
-        assert seen == [1] and torch.get_num_threads() == 2
-        monkeypatch.setattr(ca, "ONE_THREAD_WORK", 0)  # every layer "large": the threads stay
-        _check(case, torch.float32, "two threads")
-        assert seen == [1, 2]
-    finally:
-        torch.set_num_threads(threads)
+    _check(case, torch.float32, what)
+    return seen
 
 
-def test_bad_arguments_name_the_argument():
+def test_small_layers_run_on_one_thread_and_restore_the_count(monkeypatch, two_threads):
+    assert _attend_threads(monkeypatch, "one thread") == [1] and torch.get_num_threads() == 2
+
+
+def test_large_layers_keep_the_threads(monkeypatch, two_threads):
+    import kernels.cpu_attention as ca
+
+    monkeypatch.setattr(ca, "ONE_THREAD_WORK", 0)  # every layer "large": the threads stay
+    assert _attend_threads(monkeypatch, "two threads") == [2]
+
+
+# argument name -> its bad value, made from the good arguments
+BAD_ARGUMENTS = {
+    "q": lambda good: good["q"][:, :3],
+    "v_cache": lambda good: good["v_cache"].half(),
+    "block_tables": lambda good: good["block_tables"].long(),
+    "seq_lens": lambda good: torch.tensor([1, 9], dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGUMENTS))
+def test_bad_arguments_name_the_argument(name):
     case = make_case([2, 1], [5, 9], block_size=8, kv_heads=2, group=2, head_dim=16, dtype=torch.float32)
     q, kc, vc, bt, cu, sl = case.args()
     good = dict(q=q, k_cache=kc, v_cache=vc, block_tables=bt, cu_seqlens_q=cu, seq_lens=sl)
-    for name, value in {"q": q[:, :3], "v_cache": vc.half(), "block_tables": bt.long(),
-                        "seq_lens": torch.tensor([1, 9], dtype=torch.int32)}.items():
-        out = poisoned_out(q)
-        with pytest.raises(ValueError, match=name):
-            paged_attention_cpu(**{**good, name: value}, scale=0.25, max_seqlen_q=2, out=out)
-        assert torch.isnan(out).all(), f"{name}: output touched by a rejected call"
+    out = poisoned_out(q)
+    with pytest.raises(ValueError, match=name):
+        paged_attention_cpu(**{**good, name: BAD_ARGUMENTS[name](good)}, scale=0.25, max_seqlen_q=2, out=out)
+    assert torch.isnan(out).all(), f"{name}: output touched by a rejected call"
 
 
 def test_non_contiguous_cache_falls_back_to_the_reference():
@@ -178,29 +213,48 @@ def test_non_contiguous_cache_falls_back_to_the_reference():
     torch.testing.assert_close(out, ref)
 
 
-@pytest.mark.parametrize("contiguous", [True, False])
-def test_store_kv_matches_reference(contiguous):
+STORE_SHAPE = (6, 4, 2, 8)
+STORE_SLOTS = torch.tensor([3, -1, 17, 0, 22])
+
+
+def _store_problem(contiguous):
+    """(key, value, k_cache, v_cache, reference k_cache, reference v_cache): caches equal, in
+    the layout asked for (non-contiguous: strided views of wider tensors)."""
     g = torch.Generator().manual_seed(fresh_seed())
-    shape = (6, 4, 2, 8)
     key, value = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
-    slots = torch.tensor([3, -1, 17, 0, 22])
-    kc_ref, vc_ref = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    kc_ref, vc_ref = torch.randn(STORE_SHAPE, generator=g), torch.randn(STORE_SHAPE, generator=g)
     kc, vc = kc_ref.clone(), vc_ref.clone()
     if not contiguous:
         kc, vc = torch.cat([kc, kc], -1)[..., :8], torch.cat([vc, vc], -1)[..., :8]
         assert not kc.is_contiguous()
-    store_kv_ref(key, value, kc_ref, vc_ref, slots)
-    store_kv_cpu(key, value, kc, vc, slots)
+    return key, value, kc, vc, kc_ref, vc_ref
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided"])
+def test_store_kv_matches_reference(contiguous):
+    key, value, kc, vc, kc_ref, vc_ref = _store_problem(contiguous)
+    store_kv_ref(key, value, kc_ref, vc_ref, STORE_SLOTS)
+    store_kv_cpu(key, value, kc, vc, STORE_SLOTS)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
-    # through a plan, whose slots were checked once for the step
-    kc2, vc2 = torch.zeros(shape), torch.zeros(shape)
+
+
+def test_store_kv_through_a_plan():
+    """The plan's slots were checked once for the step; each kept token lands in its slot."""
+    key, value, *_ = _store_problem(True)
+    slots = STORE_SLOTS
+    kc2, vc2 = torch.zeros(STORE_SHAPE), torch.zeros(STORE_SHAPE)
     plan = plan_attention(torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
                           torch.tensor([1], dtype=torch.int32), block_size=4, kv_heads=2, slot_mapping=slots)
     store_kv_cpu(key, value, kc2, vc2, slots, plan)
     keep = slots >= 0
     assert torch.equal(kc2.view(-1, 2, 8)[slots[keep]], key[keep])
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided"])
+def test_store_kv_refuses_the_same_slot_twice(contiguous):
+    key, value, kc, vc, _, _ = _store_problem(contiguous)
     with pytest.raises(ValueError, match="slot_mapping"):
-        store_kv_cpu(key, value, kc, vc, torch.tensor([3, 3, 1, 2, 4]))  # the same slot twice
+        store_kv_cpu(key, value, kc, vc, torch.tensor([3, 3, 1, 2, 4]))
 
 
 def test_engine_plans_once_per_step_and_matches_the_reference_backend(tiny_llama_dir, monkeypatch,
