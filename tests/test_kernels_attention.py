@@ -114,32 +114,58 @@ def test_reference_matches_sdpa_on_contiguous_kv():
     torch.testing.assert_close(ref, torch.cat(outs), rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("fn", [paged_attention, paged_attention_ref])
-def test_bad_arguments_name_the_argument(fn):
+ATTENTION_FNS = pytest.mark.parametrize("fn", [paged_attention, paged_attention_ref], ids=["triton", "reference"])
+
+# argument name -> its bad value, made from the good arguments
+BAD_ARGUMENTS = {
+    "q": lambda good: good["q"][:, :3],                                       # 3 heads over 2 kv heads
+    "v_cache": lambda good: good["v_cache"].half(),
+    "block_tables": lambda good: good["block_tables"].long(),
+    "cu_seqlens_q": lambda good: torch.tensor([0, 2, 4], dtype=torch.int32),  # overshoots T = 3
+    "seq_lens": lambda good: torch.tensor([1, 9], dtype=torch.int32),         # shorter than its chunk
+}
+
+
+def _good_arguments():
     case = make_case([2, 1], [5, 9], block_size=8, kv_heads=2, group=2, head_dim=16,
                      dtype=torch.float32)
     q, kc, vc, bt, cu, sl = case.args()
-    good = dict(q=q, k_cache=kc, v_cache=vc, block_tables=bt, cu_seqlens_q=cu, seq_lens=sl)
-    bad = {
-        "q": q[:, :3],                                       # 3 heads over 2 kv heads
-        "v_cache": vc.half(),
-        "block_tables": bt.long(),
-        "cu_seqlens_q": torch.tensor([0, 2, 4], dtype=torch.int32),  # overshoots T = 3
-        "seq_lens": torch.tensor([1, 9], dtype=torch.int32),         # shorter than its chunk
-    }
-    for name, value in bad.items():
-        out = poisoned_out(q)
-        with pytest.raises(ValueError, match=name):
-            fn(**{**good, name: value}, scale=0.25, max_seqlen_q=2, out=out)
-        assert torch.isnan(out).all(), f"{name}: output touched by a rejected call"
+    return dict(q=q, k_cache=kc, v_cache=vc, block_tables=bt, cu_seqlens_q=cu, seq_lens=sl)
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGUMENTS))
+@ATTENTION_FNS
+def test_bad_arguments_name_the_argument(fn, name):
+    good = _good_arguments()
+    out = poisoned_out(good["q"])
+    with pytest.raises(ValueError, match=name):
+        fn(**{**good, name: BAD_ARGUMENTS[name](good)}, scale=0.25, max_seqlen_q=2, out=out)
+    assert torch.isnan(out).all(), f"{name}: output touched by a rejected call"
+
+
+@ATTENTION_FNS
+def test_a_max_seqlen_q_below_a_chunk_is_refused(fn):
     with pytest.raises(ValueError, match="max_seqlen_q"):
-        fn(**good, scale=0.25, max_seqlen_q=1)
+        fn(**_good_arguments(), scale=0.25, max_seqlen_q=1)
+
+
+@ATTENTION_FNS
+def test_a_max_seqlen_q_past_32_bit_offsets_is_refused(fn):
+    good = _good_arguments()
     with pytest.raises(ValueError, match="max_seqlen_q.*2\\^31"):  # in-chunk offsets are 32-bit
-        fn(**good, scale=0.25, max_seqlen_q=2 ** 31 // q.stride(0))
+        fn(**good, scale=0.25, max_seqlen_q=2 ** 31 // good["q"].stride(0))
+
+
+@ATTENTION_FNS
+def test_a_negative_scale_is_refused(fn):
     with pytest.raises(ValueError, match="scale"):
-        fn(**good, scale=-1.0, max_seqlen_q=2)
+        fn(**_good_arguments(), scale=-1.0, max_seqlen_q=2)
+
+
+@ATTENTION_FNS
+def test_an_out_of_the_wrong_shape_is_refused(fn):
     with pytest.raises(ValueError, match="out"):
-        fn(**good, scale=0.25, max_seqlen_q=2, out=torch.empty(3, 4, 8))
+        fn(**_good_arguments(), scale=0.25, max_seqlen_q=2, out=torch.empty(3, 4, 8))
 
 
 def test_random_ragged_batches():
