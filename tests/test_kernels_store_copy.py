@@ -47,27 +47,42 @@ def test_store_kv_head_dim_not_power_of_two():
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 
 
-def test_store_kv_rejects_bad_input_and_changes_nothing():
+def _slot_past_the_cache(slots, kc):
+    bad = slots.clone()
+    bad[0] = kc.shape[0] * kc.shape[1]
+    return bad
+
+
+def _slot_twice(slots):
+    bad = slots.clone()
+    bad[1] = bad[0] = 3
+    return bad
+
+
+STORE_FNS = pytest.mark.parametrize("fn", [store_kv, store_kv_ref], ids=["triton", "reference"])
+
+# (the argument the error names, bad arguments made from the good (key, value, kc, vc, slots))
+BAD_STORES = [
+    pytest.param("slot_mapping", lambda k, v, kc, vc, s: (k, v, kc, vc, _slot_past_the_cache(s, kc)), id="slot-past-the-cache"),
+    pytest.param("slot_mapping", lambda k, v, kc, vc, s: (k, v, kc, vc, _slot_twice(s)), id="slot-twice"),
+    pytest.param("slot_mapping", lambda k, v, kc, vc, s: (k, v, kc, vc, s[:-1]), id="slots-one-short"),
+    pytest.param("slot_mapping", lambda k, v, kc, vc, s: (k, v, kc, vc, s.float()), id="float-slots"),
+    pytest.param("key", lambda k, v, kc, vc, s: (k.half(), v, kc, vc, s), id="half-key"),
+    pytest.param("key", lambda k, v, kc, vc, s: (k[:, :1], v, kc, vc, s), id="key-one-head"),
+    pytest.param("value", lambda k, v, kc, vc, s: (k, v[:-1], kc, vc, s), id="value-one-token-short"),
+    pytest.param("v_cache", lambda k, v, kc, vc, s: (k, v, kc, vc[:-1], s), id="v_cache-one-block-short"),
+]
+
+
+@pytest.mark.parametrize("name, bad_args", BAD_STORES)
+@STORE_FNS
+def test_store_kv_rejects_bad_input_and_changes_nothing(fn, name, bad_args):
     g = torch.Generator().manual_seed(fresh_seed())
     key, value, kc, vc, slots = _store_problem(g, torch.float32)
     before = kc.clone(), vc.clone()
-    too_far = slots.clone()
-    too_far[0] = kc.shape[0] * kc.shape[1]
-    dup = slots.clone()
-    dup[1] = dup[0] = 3
-    cases = {
-        "slot_mapping": [(key, value, kc, vc, too_far), (key, value, kc, vc, dup),
-                         (key, value, kc, vc, slots[:-1]), (key, value, kc, vc, slots.float())],
-        "key": [(key.half(), value, kc, vc, slots), (key[:, :1], value, kc, vc, slots)],
-        "value": [(key, value[:-1], kc, vc, slots)],
-        "v_cache": [(key, value, kc, vc[:-1], slots)],
-    }
-    for fn in (store_kv, store_kv_ref):
-        for name, arg_sets in cases.items():
-            for args in arg_sets:
-                with pytest.raises(ValueError, match=name):
-                    fn(*args)
-                assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    with pytest.raises(ValueError, match=name):
+        fn(*bad_args(key, value, kc, vc, slots))
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
 
 
 def _kv_cache(g, dtype, layers=3, num_blocks=10, block_size=8, kv_heads=2, head_dim=16):
@@ -103,21 +118,31 @@ def test_copy_blocks_one_source_many_destinations_and_empty():
     assert torch.equal(cache, expect)
 
 
-def test_copy_blocks_rejects_bad_input_and_changes_nothing():
-    g = torch.Generator().manual_seed(fresh_seed())
-    cache = _kv_cache(g, torch.float32)
+COPY_FNS = pytest.mark.parametrize("fn", [copy_blocks, copy_blocks_ref], ids=["triton", "reference"])
+
+BAD_MAPPINGS = [
+    pytest.param(torch.tensor([[0, 10]]), id="dst-out-of-range"),
+    pytest.param(torch.tensor([[1, 2], [3, 2]]), id="same-dst-twice"),
+    pytest.param(torch.tensor([[1, 2], [2, 3]]), id="dst-also-a-src"),
+    pytest.param(torch.tensor([[1, 2]], dtype=torch.int32), id="int32"),
+    pytest.param(torch.tensor([1, 2]), id="one-dimensional"),
+]
+
+
+@pytest.mark.parametrize("mapping", BAD_MAPPINGS)
+@COPY_FNS
+def test_copy_blocks_rejects_a_bad_mapping_and_changes_nothing(fn, mapping):
+    cache = _kv_cache(torch.Generator().manual_seed(fresh_seed()), torch.float32)
     before = cache.clone()
-    bad = [
-        torch.tensor([[0, 10]]),            # dst out of range
-        torch.tensor([[1, 2], [3, 2]]),     # same destination twice
-        torch.tensor([[1, 2], [2, 3]]),     # a destination is also a source
-        torch.tensor([[1, 2]], dtype=torch.int32),
-        torch.tensor([1, 2]),
-    ]
-    for fn in (copy_blocks, copy_blocks_ref):
-        for mapping in bad:
-            with pytest.raises(ValueError, match="block_mapping"):
-                fn(cache, mapping)
-        with pytest.raises(ValueError, match="kv_cache"):
-            fn(cache[:, :1], torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="block_mapping"):
+        fn(cache, mapping)
+    assert torch.equal(cache, before)
+
+
+@COPY_FNS
+def test_copy_blocks_rejects_a_cache_of_keys_only_and_changes_nothing(fn):
+    cache = _kv_cache(torch.Generator().manual_seed(fresh_seed()), torch.float32)
+    before = cache.clone()
+    with pytest.raises(ValueError, match="kv_cache"):
+        fn(cache[:, :1], torch.tensor([[1, 2]]))
     assert torch.equal(cache, before)
