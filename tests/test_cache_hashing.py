@@ -64,22 +64,38 @@ def test_same_keys_in_another_process(algo):
     assert outs == {b"".join(prompt_block_keys(list(range(64)), 16, salt="s", hash_algo=algo, hash_seed=5)).hex()}
 
 
-def test_salt_adapter_seed_and_tokens_change_every_key(algo):
-    toks = list(range(32))
-    base = prompt_block_keys(toks, 8, hash_algo=algo)
-    variants = [
-        prompt_block_keys(toks, 8, salt="a", hash_algo=algo),
-        prompt_block_keys(toks, 8, salt="b", hash_algo=algo),
-        prompt_block_keys(toks, 8, salt="", hash_algo=algo),  # an empty salt is still a salt
-        prompt_block_keys(toks, 8, adapter_id=1, hash_algo=algo),
-        prompt_block_keys(toks, 8, adapter_id="1", hash_algo=algo),
-        prompt_block_keys(toks, 8, hash_algo=algo, hash_seed=1),
-        prompt_block_keys([1] + toks[1:], 8, hash_algo=algo),
-    ]
-    for v in variants:  # the first block differs, and the chain carries it to every block
-        assert all(a != b for a, b in zip(base, v))
-    assert len({tuple(v) for v in variants}) == len(variants)
-    assert prompt_block_keys(toks, 8, salt="a", hash_algo=algo) == prompt_block_keys(toks, 8, salt=b"a", hash_algo=algo)
+TOKS = list(range(32))
+# what differs from the plain 32-token prompt (block size 8): keyword arguments, first token
+KEY_VARIANTS = {
+    "salt-a": (dict(salt="a"), None),
+    "salt-b": (dict(salt="b"), None),
+    "empty-salt": (dict(salt=""), None),  # an empty salt is still a salt
+    "adapter-int": (dict(adapter_id=1), None),
+    "adapter-str": (dict(adapter_id="1"), None),
+    "seed": (dict(hash_seed=1), None),
+    "first-token": ({}, 1),
+}
+
+
+def variant_keys(name, algo):
+    kw, first = KEY_VARIANTS[name]
+    toks = TOKS if first is None else [first] + TOKS[1:]
+    return prompt_block_keys(toks, 8, hash_algo=algo, **kw)
+
+
+@pytest.mark.parametrize("variant", list(KEY_VARIANTS))
+def test_salt_adapter_seed_and_tokens_change_every_key(algo, variant):
+    """The first block differs, and the chain carries it to every block."""
+    base = prompt_block_keys(TOKS, 8, hash_algo=algo)
+    assert all(a != b for a, b in zip(base, variant_keys(variant, algo)))
+
+
+def test_every_variant_gives_its_own_keys(algo):
+    assert len({tuple(variant_keys(v, algo)) for v in KEY_VARIANTS}) == len(KEY_VARIANTS)
+
+
+def test_a_str_salt_keys_like_its_utf8_bytes(algo):
+    assert prompt_block_keys(TOKS, 8, salt="a", hash_algo=algo) == prompt_block_keys(TOKS, 8, salt=b"a", hash_algo=algo)
 
 
 def test_extra_keys_are_injective():
@@ -112,18 +128,23 @@ def test_bad_token_ids_are_named(bad, where):
         tokens_to_array(bad)
 
 
-def test_bad_hasher_settings():
+def test_an_unknown_hash_algo_is_named():
     with pytest.raises(ValueError, match="hash_algo"):
         BlockHasher("md5")
-    for seed in (-1, 2**64, 1.0, True):
-        with pytest.raises(ValueError, match="hash_seed"):
-            BlockHasher("sha256", seed)
-    with pytest.raises(ValueError, match="salt"):
-        extra_keys(salt=3)
-    with pytest.raises(ValueError, match="adapter_id"):
-        extra_keys(adapter_id=1.5)
-    with pytest.raises(ValueError, match="media"):
-        extra_keys(media=[("h", -1)])
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.0, True], ids=["negative", "over-64-bit", "float", "bool"])
+def test_a_bad_hash_seed_is_named(seed):
+    with pytest.raises(ValueError, match="hash_seed"):
+        BlockHasher("sha256", seed)
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(salt=3), "salt"), (dict(adapter_id=1.5), "adapter_id"), (dict(media=[("h", -1)]), "media"),
+], ids=["int-salt", "float-adapter", "negative-media-offset"])
+def test_a_bad_extra_key_is_named(kw, name):
+    with pytest.raises(ValueError, match=name):
+        extra_keys(**kw)
 
 
 def test_uint32_array_tokens_are_copied_not_shared():
