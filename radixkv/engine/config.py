@@ -45,6 +45,9 @@ class EngineConfig:
     # where >= 64k KV-token reads per layer are skipped (benchmarks/results/shared_prefix.md)
     shared_prefix_min_saved_tokens: int = 65536
     check_invariants: bool = True  # check the cache's invariants whenever the engine goes idle
+    # Launch step N+1 before step N's tokens reach the host, settle N while N+1 runs (engine.py's
+    # NOTE); None: on for CUDA, off on the CPU (where nothing runs beside the host).
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         self.validate()

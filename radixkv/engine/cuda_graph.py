@@ -114,12 +114,14 @@ class DecodeGraphs:
             return GraphKey(self.sizes[bisect.bisect_left(self.sizes, n)])
         return key
 
-    def run(self, batch: Batch, groups=None) -> torch.Tensor:
-        """Logits [n, vocab] of the n decode rows of `batch`; `groups`: its PrefixGroups (CPU)."""
+    def run(self, batch: Batch, groups=None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, vocab] of the n decode rows of `batch`; `groups`: its PrefixGroups (CPU);
+        input_ids: the rows' tokens already on the device (else batch.input_ids)."""
         n = len(batch.seq_lens)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         w = batch.block_tables.shape[1]
-        self.input_ids[:n].copy_(torch.from_numpy(batch.input_ids), non_blocking=True)
+        self.input_ids[:n].copy_(torch.from_numpy(batch.input_ids) if input_ids is None else input_ids,
+                                 non_blocking=True)
         self.positions[:n].copy_(torch.from_numpy(batch.positions), non_blocking=True)
         self.slot_mapping[:n].copy_(torch.from_numpy(batch.slot_mapping), non_blocking=True)
         self.block_tables[:n, :w].copy_(torch.from_numpy(batch.block_tables), non_blocking=True)

@@ -41,7 +41,7 @@ from radixkv.engine.errors import is_device_error
 from radixkv.engine.metrics import EngineCounters, EngineMetrics
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.outputs import CompletionOutput, RequestOutput, failed_output, request_output
-from radixkv.engine.sampler import Sampler, SamplerOutput
+from radixkv.engine.sampler import DrawnTokens, Sampler
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.sequence import Request, Sequence, Status
@@ -53,16 +53,33 @@ logger = logging.getLogger("radixkv.engine")
 __all__ = ["Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "SamplingParams"]
 
 
+# NOTE: the overlapped loop (EngineConfig.async_scheduling, on by default on CUDA) launches step
+# N+1 before step N's tokens are on the host. Each sequence that samples at step N gets this
+# id as its last token until then: the scheduler counts it, the batch carries it, and the runner
+# replaces it on the device with step N's drawn token (runner.execute's feed). Step N's tokens
+# are settled (appended for real, stop conditions checked, outputs built) while step N+1 runs.
+# A sequence that finished at step N may thus be computed once more at N+1: that row is
+# discarded and never committed; its blocks were freed when it finished. Steps that need the
+# token values on the host run synchronously (after settling): beam search (the next beams are
+# chosen on the host) and penalties (they count the output tokens' ids).
+PENDING_TOKEN = -1
+
+
 @dataclass
 class StepResult:
     """What compute produced for some of a step's sequences, before apply."""
 
     scheduled: list[tuple[Sequence, int]]
     num_tokens: int  # tokens in the forward
-    samples: list[Sequence] = field(default_factory=list)  # rows of `sampled`, new samples included
-    sampled: SamplerOutput | None = None
+    samples: list[Sequence] = field(default_factory=list)  # rows of `drawn`, new samples included
+    drawn: DrawnTokens | None = None
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, new sample)
     beams: list[tuple[Request, torch.Tensor]] = field(default_factory=list)  # log-probs [beams, vocab]
+
+    def feed_rows(self, seqs) -> list[int]:
+        """Rows of `drawn` holding the pending last token of each of `seqs` that has one."""
+        row_of = {id(s): i for i, s in enumerate(self.samples)}
+        return [row_of[id(s)] for s in seqs if s.token_ids[-1] == PENDING_TOKEN]
 
 
 class Engine:
@@ -83,6 +100,9 @@ class Engine:
                                    max_prefill_chunk=config.max_prefill_chunk, policy=config.scheduling_policy,
                                    defer_shared_prefill=config.enable_prefix_caching, num_blocks=self.num_blocks)
         self._group_ops = _GroupOps(self)
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else self.runner.device.type == "cuda"
+        self._pending: StepResult | None = None  # launched, its tokens not settled yet (overlapped loop)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.sampler = Sampler(self.device, self.model_config.eos_token_ids, config.seed)
         self._draws = self.sampler.draws  # apart: profilers wrap self.sampler in a plain function
@@ -147,7 +167,7 @@ class Engine:
         self._news[request_id] = req
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._news)
+        return self.scheduler.has_unfinished() or bool(self._news) or self._pending is not None
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -161,20 +181,27 @@ class Engine:
         except Exception as exc:
             self._fail_unfinished(exc)
             scheduled = None
-        if scheduled:
-            with torch.inference_mode():
-                self._run(scheduled)
+        launched = None
+        with torch.inference_mode():
+            if self.async_scheduling:
+                launched = self._step_overlapped(scheduled or [])
+            elif scheduled:
+                self._run(scheduled, self.cache.take_copy_ops())
         outputs = self._outputs()
+        if launched is not None:
+            self._pending = launched
+            for seq in launched.samples:  # after the outputs, which never show a pending token
+                if seq.status is Status.RUNNING:
+                    seq.token_ids.append(PENDING_TOKEN)
         if self.counters.requests_failed != failures:
             self._check_cache()
-        if not self.scheduler.has_unfinished() and not self._idle_checked:
+        if not self.scheduler.has_unfinished() and self._pending is None and not self._idle_checked:
             self._idle_checked = True
             if self.config.check_invariants:
                 self.cache.check_invariants()
         return outputs
 
-    def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:
-        copy_ops = self.cache.take_copy_ops()
+    def _run(self, scheduled: list[tuple[Sequence, int]], copy_ops: list[tuple[int, int]]) -> None:
         try:
             results = [self._compute(scheduled, copy_ops)]
         except Exception as exc:
@@ -183,10 +210,59 @@ class Engine:
         for result in results:
             self._apply(result)
 
+    def _step_overlapped(self, scheduled: list[tuple[Sequence, int]]) -> StepResult | None:
+        """Launch this step, then settle the last one while it runs (see the NOTE above);
+        returns the launched step, or None when it ran synchronously."""
+        pending, self._pending = self._pending, None
+        copy_ops = self.cache.take_copy_ops() if scheduled else []
+        launched = None
+        if scheduled and all(not s.request.gang and not Sampler.needs_token_values(s) for s, _ in scheduled):
+            feed = None if pending is None or pending.drawn is None else \
+                (pending.drawn.tokens, pending.feed_rows(s for s, _ in scheduled))
+            try:
+                launched = self._compute(scheduled, copy_ops, feed)
+                if launched.drawn is not None:
+                    launched.drawn.start_copy()
+                self.counters.steps += 1
+            except Exception as exc:
+                if is_device_error(exc):
+                    raise
+                self._draws.rewind()  # computed again below, synchronously, where faults are isolated
+                launched = None
+        if pending is not None:
+            self._settle(pending)
+        if launched is not None:
+            self._apply_known(launched)
+        elif scheduled:
+            live = [(s, n) for s, n in scheduled if s.status is Status.RUNNING]  # not finished when settled
+            if live:
+                self._run(live, copy_ops)
+        return launched
+
+    def _settle(self, result: StepResult) -> None:
+        """A launched step's drawn tokens reach the host: each replaces its sequence's pending
+        token; a sequence that finished meanwhile drops it (never emitted)."""
+        out = result.drawn.output() if result.drawn is not None else None
+        for i, seq in enumerate(result.samples):
+            if seq.token_ids[-1] != PENDING_TOKEN:
+                continue  # finished before its pending token was appended
+            if seq.is_finished:
+                seq.token_ids.pop()
+                continue
+            try:
+                seq.token_ids.pop()
+                self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+            except Exception as exc:
+                self._fail(seq.request, exc)
+
     # ---- compute: forward and sampling, no effect on requests, scheduler or cache ------
-    def _compute(self, scheduled: list[tuple[Sequence, int]], copy_ops: list[tuple[int, int]]) -> StepResult:
+    def _compute(self, scheduled: list[tuple[Sequence, int]], copy_ops: list[tuple[int, int]],
+                 feed=None) -> StepResult:
         self._draws.checkpoint()
-        batch, logits = self.runner.execute(scheduled, self.cache.block_table, copy_ops)
+        if feed is None:  # (the synchronous loop's call, which profilers and tests wrap)
+            batch, logits = self.runner.execute(scheduled, self.cache.block_table, copy_ops)
+        else:
+            batch, logits = self.runner.execute(scheduled, self.cache.block_table, copy_ops, feed)
         result = StepResult(scheduled, len(batch.input_ids))
         if logits is not None:
             self._sample(batch.sample_seqs, logits, result)
@@ -209,8 +285,8 @@ class Engine:
                 seqs.append(child)
         if seqs:
             result.samples = seqs
-            result.sampled = self.sampler(logits if len(rows) == logits.shape[0] else
-                                          logits[torch.tensor(rows, device=logits.device)], seqs)
+            result.drawn = self.sampler(logits if len(rows) == logits.shape[0] else
+                                        logits[torch.tensor(rows, device=logits.device)], seqs)
         for req, row_of in beam_rows.values():
             # the scheduler runs all beams of a request in the same step
             rows = [row_of[s.seq_id] for s in req.seqs]
@@ -262,18 +338,10 @@ class Engine:
 
     # ---- apply: what was computed changes the requests, one request at a time ----------
     def _apply(self, result: StepResult) -> None:
-        self._commit(result.scheduled, result.num_tokens)
+        self._apply_known(result)
         running = Status.RUNNING
-        for parent, child in result.forks:
-            if parent.status is not running:  # its request failed in this step
-                continue
-            try:
-                parent.request.seqs.append(child)
-                self.scheduler.fork(parent, child)
-            except Exception as exc:
-                self._fail(parent.request, exc)
-        out = result.sampled
-        if out is not None:
+        if result.drawn is not None:
+            out = result.drawn.output()
             for i, seq in enumerate(result.samples):
                 if seq.status is not running:
                     continue
@@ -288,6 +356,18 @@ class Engine:
                 self._beam_step(req, logprobs)
             except Exception as exc:
                 self._fail(req, exc)
+
+    def _apply_known(self, result: StepResult) -> None:
+        """What a step changes before its tokens are known: the commit and the forks."""
+        self._commit(result.scheduled, result.num_tokens)
+        for parent, child in result.forks:
+            if parent.status is not Status.RUNNING:  # its request failed in this step
+                continue
+            try:
+                parent.request.seqs.append(child)
+                self.scheduler.fork(parent, child)
+            except Exception as exc:
+                self._fail(parent.request, exc)
 
     def _commit(self, scheduled: list[tuple[Sequence, int]], num_tokens: int) -> None:
         """The computed KV enters the cache; what each request held this step is recorded."""

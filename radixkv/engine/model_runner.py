@@ -189,34 +189,48 @@ class ModelRunner:
         for seq_id in seq_ids:
             self.block_tables.release(seq_id)
 
-    def execute(self, scheduled: list[tuple[Sequence, int]], block_table, copy_ops: list[tuple[int, int]]
-                ) -> tuple[Batch, torch.Tensor | None]:
+    def execute(self, scheduled: list[tuple[Sequence, int]], block_table, copy_ops: list[tuple[int, int]],
+                feed: tuple[torch.Tensor, list[int]] | None = None) -> tuple[Batch, torch.Tensor | None]:
         """Run one step; block_table(seq_id) gives a sequence's table (the cache manager's).
-        Returns the batch and the logits [len(batch.sample_seqs), vocab] (None if empty)."""
+        feed: (the last step's drawn tokens on the device, rows of it): the input tokens not
+        known on the host yet (negative ids, one at the end of a sequence's chunk), in the
+        order of the sequences that have one. Returns the batch and the logits
+        [len(batch.sample_seqs), vocab] (None if empty)."""
         if copy_ops:
             self._copy_blocks(self.kv_cache, torch.tensor(copy_ops, dtype=torch.int64))
         batch = build_batch(scheduled, self.block_tables, self.block_tables.sync_step(scheduled, block_table))
+        input_ids = None if feed is None else self._fed_input_ids(batch, *feed)
         groups = dev_groups = None
         if self.prefix_groups is not None and batch.is_decode:
             groups, dev_groups = self.prefix_groups.get(tuple(s.seq_id for s, _ in scheduled), batch.block_tables,
                                                         batch.seq_lens)
         self.last_step_shared = groups is not None
         if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.run(batch, groups)
+            logits = self.graphs.run(batch, groups, input_ids)
             self.last_step_shared = self.graphs.last_shared
             if len(batch.sample_seqs) == len(batch.seq_lens):  # every decode row samples: rows in order
                 return batch, logits
             return batch, logits[self._tensor(batch.sample_rows)] if len(batch.sample_seqs) else None
         threads = torch.get_num_threads()
         if self.device.type != "cpu" or threads == 1 or len(batch.input_ids) > SMALL_STEP_TOKENS:
-            return batch, self._forward(batch, groups, dev_groups)
+            return batch, self._forward(batch, groups, dev_groups, input_ids)
         torch.set_num_threads(1)
         try:
-            return batch, self._forward(batch, groups, dev_groups)
+            return batch, self._forward(batch, groups, dev_groups, input_ids)
         finally:
             torch.set_num_threads(threads)
 
-    def _forward(self, batch: Batch, groups, dev_groups) -> torch.Tensor | None:
+    def _fed_input_ids(self, batch: Batch, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        at = np.flatnonzero(batch.input_ids < 0)
+        assert len(at) == len(rows), f"{len(at)} input tokens not known on the host, {len(rows)} fed"
+        known = batch.input_ids.copy()
+        known[at] = 0
+        ids = self._tensor(known)
+        if len(at):
+            ids[self._tensor(at)] = tokens[self._tensor(np.asarray(rows, dtype=np.int64))]
+        return ids
+
+    def _forward(self, batch: Batch, groups, dev_groups, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(batch.slot_mapping),
             block_tables=self._tensor(batch.block_tables),
@@ -227,7 +241,9 @@ class ModelRunner:
         if dev_groups is not None:
             meta.prefix_groups = dev_groups
             meta.max_private_len = max_private_len(groups, batch.seq_lens)
-        hidden = self.model(self._tensor(batch.input_ids), self._tensor(batch.positions), meta)
+        if input_ids is None:
+            input_ids = self._tensor(batch.input_ids)
+        hidden = self.model(input_ids, self._tensor(batch.positions), meta)
         if not batch.sample_seqs:
             return None
         return self.model.compute_logits(hidden[self._tensor(batch.sample_rows)])

@@ -27,6 +27,71 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]  # rows that asked: sampled token + its top k
 
 
+@dataclass
+class DrawnTokens:
+    """What the sampler drew, still on the device; `tokens` can feed the next step's inputs
+    there. start_copy() queues the copy to the host behind the draw; output() waits for that
+    copy only (not for work queued after it) and builds the SamplerOutput, whose fields are
+    also readable here (token_ids, logprobs, top_logprobs)."""
+
+    tokens: torch.Tensor  # [rows] int64
+    chosen: torch.Tensor  # [rows] float32: raw logprob of each drawn token
+    top_vals: torch.Tensor | None  # [rows, k_max] for the rows that asked for logprobs
+    top_ids: torch.Tensor | None
+    want_lp: list[int | None]
+    _host: tuple | None = None
+    _copied: object = None  # a CUDA event after the copy, None on the CPU
+    _out: SamplerOutput | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output().token_ids
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.output().logprobs
+
+    @property
+    def top_logprobs(self) -> list[dict[int, float] | None]:
+        return self.output().top_logprobs
+
+    def start_copy(self) -> None:
+        if self.tokens.device.type != "cuda":
+            self._host = (self.tokens, self.chosen, self.top_vals, self.top_ids)
+            return
+        host = lambda t: None if t is None else t.to("cpu", non_blocking=True)  # noqa: E731
+        self._host = (host(self.tokens), host(self.chosen), host(self.top_vals), host(self.top_ids))
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def output(self) -> SamplerOutput:
+        if self._out is None:
+            self._out = self._to_host()
+        return self._out
+
+    def _to_host(self) -> SamplerOutput:
+        if self._host is None:
+            self.start_copy()
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens, chosen, top_vals, top_ids = self._host
+        token_list, chosen_list = tokens.tolist(), chosen.tolist()
+        if all(k is None for k in self.want_lp):
+            return SamplerOutput(token_list, chosen_list, [None] * len(token_list))
+        vals, ids = (None, None) if top_vals is None else (top_vals.tolist(), top_ids.tolist())
+        tops: list[dict[int, float] | None] = []
+        for i, k in enumerate(self.want_lp):
+            if k is None:
+                tops.append(None)
+                continue
+            d = {token_list[i]: chosen_list[i]}
+            if k:
+                for tid, val in zip(ids[i][:k], vals[i][:k]):
+                    d.setdefault(tid, val)
+            tops.append(d)
+        return SamplerOutput(token_list, chosen_list, tops)
+
+
 def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     arr = np.full((len(rows), width), pad, dtype=np.int64)
@@ -101,7 +166,18 @@ class Sampler:
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
         return seq.generator
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> DrawnTokens:
+        return self.draw(logits, seqs)
+
+    @staticmethod
+    def needs_token_values(seq: Sequence) -> bool:
+        """Whether drawing for `seq` reads the values of its output tokens (penalties do; a
+        step of the overlapped loop knows the count of the last step's tokens, not their ids)."""
+        p = seq.params
+        return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> DrawnTokens:
+        """The tokens of the rows of `logits`, drawn on the device (nothing copied to the host)."""
         assert logits.shape[0] == len(seqs)
         logits = logits.float()
         params = [s.params for s in seqs]
@@ -119,7 +195,7 @@ class Sampler:
         tokens = logits.argmax(-1)
         if not all(p.greedy for p in params):
             tokens = torch.where(self._greedy_mask(params), tokens, self._draw(logits, seqs, params))
-        return self._pack(tokens, raw_logprobs, want_lp)
+        return self._drawn(tokens, raw_logprobs, want_lp)
 
     def _greedy_mask(self, params) -> torch.Tensor:
         return torch.tensor([p.greedy for p in params], device=self.device)
@@ -158,24 +234,10 @@ class Sampler:
         # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick
         return (probs / noise.clamp_min_(1e-30)).argmax(-1)
 
-    def _pack(self, tokens: torch.Tensor, raw_logprobs, want_lp) -> SamplerOutput:
-        token_list = tokens.tolist()
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        if all(k is None for k in want_lp):
-            return SamplerOutput(token_list, chosen, [None] * len(token_list))
-        k_max = min(max(k for k in want_lp if k is not None), raw_logprobs.shape[1])
+    def _drawn(self, tokens: torch.Tensor, raw_logprobs, want_lp) -> DrawnTokens:
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        asked = [k for k in want_lp if k]
         top_vals = top_ids = None
-        if k_max > 0:
-            v, ix = raw_logprobs.topk(k_max, dim=-1)
-            top_vals, top_ids = v.tolist(), ix.tolist()
-        tops: list[dict[int, float] | None] = []
-        for i, k in enumerate(want_lp):
-            if k is None:
-                tops.append(None)
-                continue
-            d = {token_list[i]: chosen[i]}
-            if k:
-                for tid, val in zip(top_ids[i][:k], top_vals[i][:k]):
-                    d.setdefault(tid, val)
-            tops.append(d)
-        return SamplerOutput(token_list, chosen, tops)
+        if asked:
+            top_vals, top_ids = raw_logprobs.topk(min(max(asked), raw_logprobs.shape[1]), dim=-1)
+        return DrawnTokens(tokens, chosen, top_vals, top_ids, want_lp)
