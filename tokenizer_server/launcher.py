@@ -59,7 +59,7 @@ class WorkerSupervisor:
     def __init__(self, engine_args: dict, *, restart: bool, on_fatal, ready_timeout: float = 600.0,
                  stats_interval_s: float = 0.5, torch_threads: int | None = None,
                  worker_timeout: float = 60.0, heartbeat_interval_s: float = 1.0,
-                 restart_policy: RestartPolicy | None = None):
+                 restart_policy: RestartPolicy | None = None, worker_cmd: list[str] | None = None):
         assert worker_timeout > heartbeat_interval_s > 0, "the watchdog must allow several heartbeats"
         self.engine_args = dict(engine_args)
         self.torch_threads = torch_threads
@@ -70,6 +70,9 @@ class WorkerSupervisor:
         self.stats_interval_s = stats_interval_s
         self.worker_timeout = worker_timeout
         self.heartbeat_interval_s = heartbeat_interval_s
+        # the worker's command line, before its config JSON; another one stands in for the engine
+        # in the front's benchmark (benchmarks/front.py)
+        self.worker_cmd = list(worker_cmd) if worker_cmd else [sys.executable, "-m", "radixkv.engine.worker"]
         self.ipc_dir = make_ipc_dir()
         self.client = EngineClient(f"ipc://{self.ipc_dir}/req.sock", f"ipc://{self.ipc_dir}/out.sock")
         self.proc: subprocess.Popen | None = None
@@ -100,7 +103,7 @@ class WorkerSupervisor:
             heartbeat_interval_s=self.heartbeat_interval_s,
             torch_threads=self.torch_threads,
         )
-        cmd = [sys.executable, "-m", "radixkv.engine.worker", msgspec.json.encode(cfg).decode()]
+        cmd = [*self.worker_cmd, msgspec.json.encode(cfg).decode()]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         self.proc = proc
         self._exited = self._loop.create_future()

@@ -24,6 +24,7 @@ BENCHMARKS = {
     "throughput": ("benchmarks.throughput", "engine throughput vs HF transformers on one GPU"),
     "graph-keys": ("benchmarks.graph_keys", "shared-prefix decode-graph shapes a workload meets while served (CPU)"),
     "cpu": ("benchmarks.cpu", "radixkv vs HF transformers generate on the CPU: one chat, chats after a shared system prompt"),
+    "front": ("benchmarks.front", "the front's CPU time per streamed token, a stand-in worker at a fixed step rate (CPU)"),
     "serve": ("benchmarks.serve", "drive a running server with a workload: TTFT, TPOT, latency, hit rate"),
 }
 REPO = Path(__file__).resolve().parents[2]  # radixkv/cli/bench.py -> the checkout
