@@ -24,8 +24,58 @@ choice has ended are ignored; the caller aborts the engine request once all its 
 
 from __future__ import annotations
 
+import random
+import weakref
+
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
+_SELF_CHECK_SEQUENCES = 64  # random sequences a tokenizer's piece table is checked against
+
+
+def _is_byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return (type(decoder).__name__ == "ByteLevel" and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            and hasattr(tokenizer, "batch_decode"))
+
+
+def _build_pieces(tokenizer, skip_special_tokens: bool) -> dict[int, str] | None:
+    """{token id: its text} for the tokens whose text can be appended as is: a byte-level BPE
+    decodes the bytes of all tokens together, so a token whose bytes are whole UTF-8 characters
+    (no U+FFFD when decoded alone) adds exactly its own text after text that ends on a character
+    boundary. Added and special tokens are left out. None for any other tokenizer, or one whose
+    table fails a check against decode() on random sequences."""
+    if not _is_byte_level(tokenizer):
+        return None
+    try:
+        vocab = len(tokenizer)
+        texts = tokenizer.batch_decode([[t] for t in range(vocab)], skip_special_tokens=skip_special_tokens)
+        added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {}) | set(tokenizer.all_special_ids)
+        pieces = {t: s for t, s in enumerate(texts) if s and REPLACEMENT_CHAR not in s and t not in added}
+        rng = random.Random(0)
+        ids = sorted(pieces)
+        for _ in range(_SELF_CHECK_SEQUENCES if ids else 0):
+            seq = [rng.choice(ids) for _ in range(rng.randint(1, 12))]
+            if tokenizer.decode(seq, skip_special_tokens=skip_special_tokens) != "".join(pieces[t] for t in seq):
+                return None
+    except Exception:  # an unusual tokenizer: the general path only
+        return None
+    return pieces
+
+
+_PIECES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PIECES_BY_ID: dict = {}  # tokenizers that take no weak reference: id -> (tokenizer, tables)
+
+
+def token_pieces(tokenizer, skip_special_tokens: bool = True) -> dict[int, str] | None:
+    """The tokenizer's piece table (_build_pieces), built once per tokenizer and setting."""
+    try:
+        tables = _PIECES.setdefault(tokenizer, {})
+    except TypeError:
+        tables = _PIECES_BY_ID.setdefault(id(tokenizer), (tokenizer, {}))[1]
+    if skip_special_tokens not in tables:
+        tables[skip_special_tokens] = _build_pieces(tokenizer, skip_special_tokens)
+    return tables[skip_special_tokens]
 
 
 class IncrementalDetokenizer:
@@ -40,6 +90,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start
         self._read_offset = len(context)  # tokens before this are already shown
         self._num_context = len(context)
+        self._pieces = token_pieces(tokenizer, skip_special_tokens)
 
     def _decode(self, ids) -> str:
         if not ids:
@@ -48,6 +99,16 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids) -> str:
         """Add new output tokens; return the text they complete (may be "")."""
+        pieces = self._pieces
+        if pieces is not None and self._read_offset == len(self._tokens):
+            # Nothing held back and every new token whole characters: its text is its piece (what
+            # the window below would give, without decoding).
+            texts = [pieces.get(t) for t in token_ids]
+            if texts and None not in texts:
+                self._prefix_offset = self._read_offset
+                self._tokens.extend(token_ids)
+                self._read_offset = len(self._tokens)
+                return "".join(texts)
         self._tokens.extend(token_ids)
         shown = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         window = self._decode(self._tokens[self._prefix_offset :])
@@ -79,6 +140,8 @@ class StopStringMatcher:
         self._stop = list(stop)
         self._include = include_stop_str
         self._pending = ""
+        # the characters a held-back suffix can end with: text ending in none of them holds nothing
+        self._prefix_ends = {c for s in stop for c in s[:-1]}
 
     @property
     def active(self) -> bool:
@@ -108,6 +171,8 @@ class StopStringMatcher:
 
     def _longest_stop_prefix_suffix(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of a stop string."""
+        if not text or text[-1] not in self._prefix_ends:
+            return 0
         best = 0
         for s in self._stop:
             for k in range(min(len(s) - 1, len(text)), best, -1):
@@ -139,6 +204,11 @@ class OutputProcessor:
         Returns the text to show now (may be ""), or None if the choice had already ended."""
         if self.finish_reason is not None:
             return None
+        if finish_reason is None and not self.stopper.active:  # the common step: no stop strings to watch
+            self.num_tokens += len(new_token_ids)
+            text = self.detok.push(new_token_ids)
+            self.text += text
+            return text
         ids = list(new_token_ids)
         chunks = [[t] for t in ids] if self.stopper.active and len(ids) > 1 else [ids]
         out = []
