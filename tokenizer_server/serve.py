@@ -25,8 +25,12 @@ SHUTDOWN_GRACE_S = 5
 def run(model_dir: str, engine_args: dict, *, host: str, port: int, api_keys: list[str],
         served_model_names: list[str], restart_worker: bool, worker_timeout: float, shutdown_timeout: float,
         salt_secret: str | None, cache_salt_scope: str, protect_metrics: bool, torch_threads: int | None,
-        worker_ready_timeout: float, log_level: str, access_log: bool) -> int:
-    """Serve until SIGINT/SIGTERM; the exit code (see the module's docstring)."""
+        worker_ready_timeout: float, log_level: str, access_log: bool, stream_interval: int = 1,
+        worker_cmd: list[str] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM; the exit code (see the module's docstring). stream_interval: a
+    stream's chunk carries the text of up to that many tokens of a choice (its last chunk goes out
+    at once). worker_cmd: the worker's command line before its config JSON (default: the engine's
+    worker; the front's benchmark gives a stand-in)."""
     import asyncio
     import gc
     import logging
@@ -57,6 +61,9 @@ def run(model_dir: str, engine_args: dict, *, host: str, port: int, api_keys: li
         print(f"radixkv serve: --worker-timeout must exceed {2 * HEARTBEAT_INTERVAL_S:g} s (two heartbeats), "
               f"got {worker_timeout}", file=sys.stderr)
         return 2
+    if stream_interval < 1:
+        print(f"radixkv serve: --stream-interval must be >= 1, got {stream_interval}", file=sys.stderr)
+        return 2
     if not shutdown_timeout >= 0:
         print(f"radixkv serve: --shutdown-timeout must be >= 0, got {shutdown_timeout}", file=sys.stderr)
         return 2
@@ -77,10 +84,12 @@ def run(model_dir: str, engine_args: dict, *, host: str, port: int, api_keys: li
 
     supervisor = WorkerSupervisor(engine_args, restart=restart_worker, on_fatal=on_fatal,
                                   ready_timeout=worker_ready_timeout, torch_threads=torch_threads,
-                                  worker_timeout=worker_timeout, heartbeat_interval_s=HEARTBEAT_INTERVAL_S)
+                                  worker_timeout=worker_timeout, heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+                                  worker_cmd=worker_cmd)
     state = ServerState(tokenizer=tokenizer, supervisor=supervisor, metrics=None,
                         served_model_names=served_model_names or [str(model_dir)], api_keys=api_keys,
-                        salts=TenantSalts(secret.encode() if secret else None, scope=cache_salt_scope))
+                        salts=TenantSalts(secret.encode() if secret else None, scope=cache_salt_scope),
+                        stream_interval=stream_interval)
     state.metrics = ServerMetrics(lambda: supervisor.client.stats, supervisor.is_running)
 
     async def shutdown() -> None:  # the lifespan's end: stop the worker while the loop still runs

@@ -24,6 +24,9 @@ from tokenizer_server.serving_common import (
 )
 
 
+CONTENT_KEY, CONTENT_TAIL = b'"delta":{"content":', b'},"logprobs":null,"finish_reason":null}'
+
+
 def conversation(req: ChatCompletionRequest) -> list[dict]:
     """The messages as the chat template reads them."""
     return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
@@ -77,7 +80,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                               logprobs_param="top_logprobs")
     group = GenerationGroup(
         state.supervisor.client, tok, state.metrics, new_id("chatcmpl"), [ids], sampling,
-        cache_salt=effective_salt(request, req.cache_salt),
+        cache_salt=effective_salt(request, req.cache_salt), stream_interval=state.stream_interval if req.stream else 1,
     )
     created = int(time.time())
     group.start()
@@ -93,6 +96,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         def to_chunks(events):
             out, head[:] = list(head), []
             for ev in events:
+                if ev.logprobs is None and ev.finish_reason is None:  # the common chunk, its bytes at once
+                    out.append(chunk.text_event(ev.index, CONTENT_KEY, ev.text, CONTENT_TAIL))
+                    continue
                 delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
                 out.append(chunk([{"index": ev.index, "delta": delta, "logprobs": chat_logprobs(tok, ev),
                                    "finish_reason": ev.finish_reason}]))

@@ -35,6 +35,7 @@ class ServerState:
     salts: object = None  # TenantSalts: how a request's cache salt is derived
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # shutting down: in-flight requests finish, new ones get 503
+    stream_interval: int = 1  # a streamed chunk carries up to this many tokens of a choice
     async_tokenizer: AsyncTokenizer = field(init=False)
 
     def __post_init__(self):
@@ -152,6 +153,9 @@ _encoder = msgspec.json.Encoder()
 
 
 def sse(obj) -> bytes:
+    """One server-sent event; bytes are an event made already (ChunkMaker's fast forms)."""
+    if type(obj) is bytes:
+        return obj
     return b"data: " + _encoder.encode(obj) + b"\n\n"
 
 
@@ -206,6 +210,18 @@ class ChunkMaker:
     def __init__(self, group: GenerationGroup, obj: str, created: int, req):
         self.group, self.obj, self.created, self.model = group, obj, created, req.model
         self.include_usage = req.stream_options is not None and req.stream_options.include_usage
+        # sse(self([choice])) for a choice whose only variable part is its text, in pieces: the
+        # same bytes the encoder writes for the dict, without building it
+        head = _encoder.encode(self([]))
+        assert head.endswith(b'"choices":[]}')
+        self._head = b"data: " + head[:-2]
+        self._tails: dict[int, bytes] = {}
+
+    def text_event(self, index: int, key: bytes, text: str, tail: bytes) -> bytes:
+        """sse(self([{"index": index, key: text, ...}])) where tail is the rest of the choice,
+        encoded; key is a JSON object's opening up to the text (b'"text":' or b'"delta":{"content":')."""
+        return b"".join((self._head, b'{"index":', str(index).encode(), b",", key, _encoder.encode(text), tail,
+                         b"]}\n\n"))
 
     def __call__(self, choices: list, usage: dict | None = None) -> dict:
         c = {"id": self.group.request_id, "object": self.obj, "created": self.created, "model": self.model,
@@ -223,12 +239,12 @@ def stream(group: GenerationGroup, first_events: list, to_chunks, tail) -> Strea
     A client that disconnects cancels the generator, whose finally aborts the request."""
 
     async def body():
-        try:
-            for chunk in to_chunks(first_events):
-                yield sse(chunk)
+        try:  # one write for all that is ready: a stream that fell behind catches up at once
+            if out := b"".join(map(sse, to_chunks(first_events))):
+                yield out
             while not group.finished:
-                for chunk in to_chunks(await group.next_events()):
-                    yield sse(chunk)
+                if out := b"".join(map(sse, to_chunks(await group.next_events()))):
+                    yield out
             for chunk in tail():
                 yield sse(chunk)
         except APIError as e:  # the worker died or the engine failed mid-stream: the status line is sent

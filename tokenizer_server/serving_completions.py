@@ -24,6 +24,7 @@ from tokenizer_server.serving_common import (
 )
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+TEXT_KEY, TEXT_TAIL = b'"text":', b',"logprobs":null,"finish_reason":null}'
 
 
 def token_strings(tokenizer, ids) -> list[str]:
@@ -94,7 +95,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     sampling = build_sampling(req, info, max_tokens, req.logprobs)
     group = GenerationGroup(
         state.supervisor.client, tok, state.metrics, new_id("cmpl"), prompts, sampling,
-        cache_salt=effective_salt(request, req.cache_salt),
+        cache_salt=effective_salt(request, req.cache_salt), stream_interval=state.stream_interval if req.stream else 1,
     )
     created = int(time.time())
     echo_texts = [(p if isinstance(p, str) else tok.decode(ids)) for p, ids in zip(raw, prompts)] if req.echo else None
@@ -115,6 +116,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
 
         def to_chunks(events):
             return [
+                chunk.text_event(ev.index, TEXT_KEY, text_of(ev), TEXT_TAIL)  # the common chunk, its bytes at once
+                if ev.logprobs is None and ev.finish_reason is None else
                 chunk([{"index": ev.index, "text": text_of(ev), "logprobs": logprobs.part(ev),
                         "finish_reason": ev.finish_reason}])
                 for ev in events

@@ -46,6 +46,10 @@ def add_arguments(p) -> None:
     p.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of the engine worker (default: all cores but one, left to the front)")
     p.add_argument("--worker-ready-timeout", type=float, default=600.0, help="seconds to wait for the worker to load")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="a streamed chunk carries the text of up to N tokens of a choice: fewer, larger chunks "
+                        "for less front CPU per token; a choice's last chunk and its finish_reason go out at "
+                        "once (default 1: a chunk per token)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
@@ -70,4 +74,5 @@ def main(args) -> int:
                worker_timeout=args.worker_timeout, shutdown_timeout=args.shutdown_timeout,
                salt_secret=args.salt_secret, cache_salt_scope=args.cache_salt_scope,
                protect_metrics=args.protect_metrics, torch_threads=args.torch_threads,
-               worker_ready_timeout=args.worker_ready_timeout, log_level=args.log_level, access_log=args.access_log)
+               worker_ready_timeout=args.worker_ready_timeout, log_level=args.log_level, access_log=args.access_log,
+               stream_interval=args.stream_interval)
