@@ -15,6 +15,14 @@ worst cases of all admitted pinned requests fit the pool together (admission.py)
 sequence that cannot grow preempts sequences of other requests, which always free enough.
 Beam search is the one user of both; the scheduler knows nothing else of it.
 
+Decode fast path: a step where every running sequence decodes one token, none belongs to a
+gang and none waits asks the cache for a reservation only where one can change something: a
+token that starts a new block, or the first token after a start or a fork (whose partial
+block may need copy-on-write). Such a reservation runs to the end of the token's block
+(`_reserved_to`): it takes the same blocks and copies as one token would, and the tokens
+after it in that block need no call. A fork or free forgets the sequence's entry. The blocks
+taken, in order, and any preemption are those of the general loop, which handles all else.
+
 No deadlock: a sequence alone always fits, because the engine rejects up front any request
 whose prompt + max_tokens exceeds the pool, and a sequence that cannot grow preempts others
 before itself.
@@ -58,6 +66,9 @@ class Scheduler:
         self._pending_forks = 0  # seats held for samples not forked yet
         self.admission = PinnedAdmission(cache.num_blocks if num_blocks is None else num_blocks)
         self._freed: list[int] = []  # seq ids freed since the last schedule()
+        # seq id -> end of its slots reserved through a block's end by the decode fast path,
+        # no fork since; those before it need no reservation call
+        self._reserved_to: dict[int, int] = {}
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -104,6 +115,7 @@ class Scheduler:
         held since admission), or a member of a pinned group (its worst case reserved)."""
         assert parent.status is Status.RUNNING and (parent.pending_forks > 0 or parent.request.pinned_blocks)
         self.cache.fork(parent.seq_id, child.seq_id)
+        self._reserved_to.pop(parent.seq_id, None)  # its partial block is shared now: copy-on-write first
         if parent.pending_forks:
             parent.pending_forks -= 1
             self._pending_forks -= 1
@@ -121,6 +133,7 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         self.cache.free(seq.seq_id)
         self._freed.append(seq.seq_id)
+        self._reserved_to.pop(seq.seq_id, None)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         assert not seq.request.pinned_blocks, "pinned groups are never preempted"
@@ -142,6 +155,10 @@ class Scheduler:
         return min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_prefill_chunk)
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule_decodes() if not self.waiting else None
+        if out is not None:
+            out.freed_seq_ids, self._freed = self._freed, []
+            return out
         out = SchedulerOutput()
         limit, chunk, reserve, running = self.max_num_batched_tokens, self.max_prefill_chunk, \
             self.cache.try_reserve, Status.RUNNING
@@ -165,6 +182,32 @@ class Scheduler:
         if not out.preempted:  # admitting right after a preemption would only thrash
             out.num_batched_tokens = limit - self._admit(out, limit - out.num_batched_tokens)
         out.freed_seq_ids, self._freed = self._freed, []
+        return out
+
+    def _schedule_decodes(self) -> SchedulerOutput | None:
+        """The decode fast path (module docstring), or None: not every running sequence decodes
+        one token outside a gang, or too many for the token budget. Nothing waits."""
+        running = self.running
+        if not running or len(running) > self.max_num_batched_tokens:
+            return None
+        computed, B, reserved_to = self.cache.num_computed_tokens, self.block_size, self._reserved_to
+        to_reserve = []
+        for seq in running:
+            done = computed(seq.seq_id)
+            if len(seq.token_ids) - done != 1 or seq.request.gang:
+                return None
+            if done >= reserved_to.get(seq.seq_id, 0):
+                to_reserve.append((seq, done))
+        out = SchedulerOutput()
+        reserve, running_status = self.cache.try_reserve, Status.RUNNING
+        for seq, done in to_reserve:  # in running order, as the general loop reserves
+            if seq.status is not running_status:  # preempted for an earlier one
+                continue
+            n = B - done % B  # to the end of the block: the blocks and copies of one token
+            if reserve(seq.seq_id, n) or self._reserve(seq, n, out):
+                reserved_to[seq.seq_id] = done + n
+        out.scheduled = [(seq, 1) for seq in self.running]  # preempted ones are gone from it
+        out.num_batched_tokens = len(out.scheduled)
         return out
 
     def _schedule_gang(self, members: list[Sequence], budget: int, out: SchedulerOutput) -> None:
@@ -197,6 +240,8 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         hits = self._lpm_hits() if self.policy == "lpm" else None
+        if not self.waiting:
+            return budget
         heads = self._prefilling_heads() if self.defer_shared_prefill else None
         skipped: set[int] = set()
         while budget > 0:
