@@ -1,5 +1,12 @@
 """What the engine reports per step: incremental outputs of requests that had news.
 
+Per step, a streamed choice costs what it emits, not what it generated: new_token_ids is a
+slice of its new tokens only, and token_ids (all generated so far) is a list once the choice
+is finished (its finish_reason set) and, before, an OutputTokens: a read-only window onto the
+sequence's own token list (length, indexing, slicing, iteration, == with a list), made in
+constant time. Streaming readers use new_token_ids; the offline LLM reads token_ids on
+finished outputs.
+
 A beam search request reports once, when it finishes: its n best hypotheses, best first.
 A request the engine failed reports once more, finished: finish_reason "error" on every
 choice it had not finished (failed_output). A finished output carries the request's block
@@ -8,6 +15,7 @@ sharing accounting (SharingStats); to_delta is the one conversion of an output t
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,11 +25,54 @@ if TYPE_CHECKING:
     from radixkv.engine.sequence import Request
 
 
-@dataclass
+class OutputTokens(SequenceABC):
+    """Tokens [start, stop) of a list that only grows past `stop` (a sequence's token_ids: what
+    later steps append, a pending token included, lies at `stop` or after), read in place:
+    O(1) to make. Slices are lists; == compares with any sequence of ints."""
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: list[int], start: int, stop: int):
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._tokens[self._start : self._stop][i]
+        n = self._stop - self._start
+        if not -n <= i < n:
+            raise IndexError("output token index out of range")
+        return self._tokens[self._start + (i if i >= 0 else n + i)]
+
+    def __iter__(self):
+        return iter(self._tokens[self._start : self._stop])
+
+    def tolist(self) -> list[int]:
+        return self._tokens[self._start : self._stop]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, OutputTokens):
+            other = other.tolist()
+        elif not isinstance(other, (list, tuple)):
+            return NotImplemented
+        return self.tolist() == list(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(self.tolist())
+
+    def __reduce__(self):
+        return list, (self.tolist(),)
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int  # sample number (beam search: rank, 0 = best)
     new_token_ids: list[int]  # since the last output of this request
-    token_ids: list[int]  # all generated so far
+    token_ids: list[int] | OutputTokens  # all generated so far: a list once finished, a read-only window before
     logprobs: list[dict[int, float]] | None  # per new token: {sampled id: lp, top-k ids: lp}; None if not asked
     finish_reason: str | None  # None while running, else "stop" | "length" | "abort" | "error"
     cumulative_logprob: float
@@ -47,7 +98,7 @@ class SharingStats:
     num_computed_prompt_tokens: int = 0  # prompt positions computed for it (once with n > 1; cache hits excluded)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     outputs: list[CompletionOutput]
@@ -62,6 +113,18 @@ def request_output(req: "Request", finished: bool) -> RequestOutput | None:
     """What `req` reports now: new tokens of each sample; with best_of or beam search, only the n
     best and only at the end (None before)."""
     p = req.params
+    seqs = req.seqs
+    if req.beam is None and len(seqs) == 1 and p.num_samples <= p.n:  # the common case, inline
+        s = seqs[0]
+        toks, emitted, reason = s.token_ids, s.num_emitted, s.finish_reason
+        start, stop = len(req.prompt_token_ids), len(toks)
+        s.num_emitted = stop - start
+        c = CompletionOutput(s.index, toks[start + emitted :],
+                             OutputTokens(toks, start, stop) if reason is None else toks[start:],
+                             s.logprobs[emitted:] if p.logprobs is not None else None, reason, s.cumulative_logprob)
+        if finished:
+            return _make_output(req, [c], True)
+        return RequestOutput(req.request_id, [c], req.prompt_token_ids, req.num_cached_tokens or 0, False)
     if req.beam is not None:
         if not finished:
             return None
@@ -71,7 +134,7 @@ def request_output(req: "Request", finished: bool) -> RequestOutput | None:
                                         h.finish_reason, h.cumulative_logprob)
                        for rank, h in enumerate(req.beam.results(p.n, live))]
         return _make_output(req, completions, finished)
-    seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.index)
+    seqs = seqs if len(seqs) == 1 else sorted(seqs, key=lambda s: s.index)
     best_of = p.num_samples > p.n
     if best_of:
         if not finished:
@@ -82,13 +145,17 @@ def request_output(req: "Request", finished: bool) -> RequestOutput | None:
         for s in seqs:
             s.num_emitted = 0
     completions = []
+    want_lp = p.logprobs is not None
+    start = len(req.prompt_token_ids)
     for rank, s in enumerate(seqs):
-        out_ids = s.token_ids[s.num_prompt_tokens :]
-        new = out_ids[s.num_emitted :]
-        lps = s.logprobs[s.num_emitted :] if p.logprobs is not None else None
-        s.num_emitted = len(out_ids)
-        completions.append(CompletionOutput(rank if best_of else s.index, new, out_ids, lps, s.finish_reason,
-                                            s.cumulative_logprob))
+        toks, emitted, reason = s.token_ids, s.num_emitted, s.finish_reason
+        stop = len(toks)
+        new = toks[start + emitted :]  # the new tokens only: the per-step cost does not grow with the output
+        lps = s.logprobs[emitted:] if want_lp else None
+        s.num_emitted = stop - start
+        completions.append(CompletionOutput(rank if best_of else s.index, new,
+                                            OutputTokens(toks, start, stop) if reason is None else toks[start:],
+                                            lps, reason, s.cumulative_logprob))
     return _make_output(req, completions, finished)
 
 
