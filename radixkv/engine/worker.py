@@ -26,6 +26,7 @@ not the worker, decides the order of shutdown.
 """
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -78,6 +79,32 @@ def _set_torch_threads(requested: int | None) -> None:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(requested if requested is not None else max(1, cores - 1))
+
+
+# NOTE: no garbage collection in the decode steady state. A step allocates a few container
+# objects per running sequence (scheduled pairs, outputs, deltas) that reference counting frees
+# when the step is done, but with the default young threshold (700 net allocations) a step of
+# 256 sequences ran a young collection every step; its survivors (the step's outputs, still
+# alive) were promoted until a full collection ran, traversing everything the process holds:
+# torch, the model, every running sequence's token list (`radixkv bench host --gc default`,
+# 127 decode steps: 113/10/1 collections of generations 0/1/2 at 256 sequences, 434/39/3 at
+# 512). So once the engine is up (model loaded, warmed up) the worker freezes what start-up
+# made (never garbage: gc.freeze keeps it out of every later collection) and raises the young
+# threshold well above what a step allocates at max_num_seqs: decode steps then run no
+# collection at all (`--gc worker`: 0/0/0). Collections still run as requests come and go
+# (about one young collection per 50 * max_num_seqs / 20 new requests, each request holding
+# some 20 objects), and they free finished requests, which are reference cycles (Request <->
+# Sequence); the generation thresholds above the young one stay the default. The front does
+# the same after its start-up (tokenizer_server/serve.py).
+GC_YOUNG_OBJECTS_PER_SEQ = 50
+
+
+def settle_gc(max_num_seqs: int = 256) -> None:
+    """After start-up: freeze what exists, no collection during decode steps (the NOTE above)."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(max(10_000, GC_YOUNG_OBJECTS_PER_SEQ * max_num_seqs), middle, old)
 
 
 def to_sampling_params(opts: P.SamplingOptions):
@@ -248,6 +275,7 @@ def main(argv=None) -> int:
         _set_torch_threads(cfg.torch_threads)
         # The worker checks the invariants itself, once per idle transition, and counts them.
         engine = Engine(EngineConfig(**{"check_invariants": False, **cfg.engine_args}))
+        settle_gc(engine.config.max_num_seqs)
         worker = Worker(cfg, engine, req, out)
         return worker.run()
     except SystemExit:
