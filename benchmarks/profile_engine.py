@@ -79,8 +79,8 @@ class StepLog:
         self.e, self.rows = e, []
         inner = e.runner.execute
 
-        def execute(scheduled, tables, rows, copy_ops):
-            batch, logits = inner(scheduled, tables, rows, copy_ops)
+        def execute(*args):
+            batch, logits = inner(*args)
             self.rows.append((len(batch.seq_lens), len(batch.input_ids), batch.is_decode, e.runner.last_step_shared))
             return batch, logits
 

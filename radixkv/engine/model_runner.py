@@ -19,6 +19,7 @@ import torch
 from radixkv.engine.batch import Batch, build_batch
 from radixkv.engine.block_tables import BlockTables
 from radixkv.engine.config import EngineConfig
+from radixkv.engine.staging import HostStaging
 from radixkv.engine.shared_prefix import PrefixGroupCache, max_private_len
 from radixkv.engine.sequence import Sequence
 from radixkv.models.attention import AttentionMetadata
@@ -55,6 +56,7 @@ class ModelRunner:
         self.ops = ops_for(config.attention_backend, self.device)  # the one place a backend is chosen
         self.backend = self.ops.name
         self.block_size = config.block_size
+        self.staging = HostStaging(self.device)
         self.max_positions = min(model_cfg.max_model_len, config.max_model_len or model_cfg.max_model_len)
         self.model = load_model(config.model_dir, model_cfg, device=device, dtype=self.dtype, backend=self.ops,
                                 load_format=config.load_format, max_positions=self.max_positions, seed=config.seed)
@@ -88,7 +90,8 @@ class ModelRunner:
 
             max_blocks = -(-self.max_positions // self.block_size)
             self.graphs = DecodeGraphs(self.model, min(config.max_cuda_graph_batch, config.max_num_seqs),
-                                       max_blocks, self.device, shared_prefix=self.prefix_groups is not None)
+                                       max_blocks, self.device, shared_prefix=self.prefix_groups is not None,
+                                       stage=self.staging.pinned)
         if self.device.type == "cuda":
             self._warmup()
 
@@ -181,7 +184,7 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------
     def _tensor(self, arr: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(arr).to(self.device, non_blocking=True)
+        return self.staging.to_device(arr)
 
     @torch.inference_mode()
     def release_rows(self, seq_ids: list[int]) -> None:
@@ -196,6 +199,7 @@ class ModelRunner:
         known on the host yet (negative ids, one at the end of a sequence's chunk), in the
         order of the sequences that have one. Returns the batch and the logits
         [len(batch.sample_seqs), vocab] (None if empty)."""
+        self.staging.next_step()
         if copy_ops:
             self._copy_blocks(self.kv_cache, torch.tensor(copy_ops, dtype=torch.int64))
         batch = build_batch(scheduled, self.block_tables, self.block_tables.sync_step(scheduled, block_table))
