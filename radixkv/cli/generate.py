@@ -36,6 +36,7 @@ def add_arguments(p) -> None:
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "lpm"))
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--no-async-scheduling", action="store_true", help="no overlapped engine loop (default on CUDA)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt instead of plain text")
 
 
@@ -55,7 +56,7 @@ def main(args) -> int:
                   gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
-                  enforce_eager=args.enforce_eager)
+                  enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None)
         prompts = _chat_prompts(llm.tokenizer, args.prompt) if args.chat else args.prompt
         outputs = llm.generate(prompts, params)
     except ValueError as e:
