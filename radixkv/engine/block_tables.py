@@ -6,14 +6,13 @@ Re-converting every table from Python lists each step costs ~40 ns per entry (0.
 have changed: entries of blocks computed before the last refresh are final (the cache only
 rewrites a table at the block being written, by copy-on-write, and at blocks committed in
 that step, by deduplication), so a decode step rewrites one or two entries per sequence.
-The per-sequence Python is a row lookup and a slice of the table's tail; the scatter
-indices, the lengths and the final counts are numpy over all rows at once.
+One scatter writes what changed in all rows; build_batch reuses the computed counts the sync
+was given (computed_of) rather than asking each sequence again.
 """
 
 from __future__ import annotations
 
-from itertools import chain, repeat
-from operator import attrgetter, getitem
+from operator import attrgetter
 
 import numpy as np
 
@@ -27,47 +26,50 @@ class BlockTables:
         self.lens = np.zeros(max_rows, np.int64)
         self.block_size = block_size
         self._row: dict[int, int] = {}
-        self._stable = np.zeros(max_rows, np.int64)  # per row: entries known final
+        self._stable = [0] * max_rows  # per row: entries known final
         self._free = list(range(max_rows - 1, -1, -1))
-        self._last: tuple[list[int], tuple[int, ...]] | None = None  # the last sync's rows and computed counts
+        self._last: tuple[list[int], list[int]] | None = None  # the last sync's rows and computed counts
 
     def sync(self, entries) -> list[int]:
         """entries: (seq_id, the cache's block table, computed tokens) per sequence of the step.
         Refreshes their rows with one scatter; returns the rows."""
-        entries = list(entries)
-        if not entries:
+        width, bs = self.table.shape[1], self.block_size
+        row_of, stable = self._row.get, self._stable
+        rows, lens, computed, idx, vals = [], [], [], [], []
+        for seq_id, table, done in entries:
+            row = row_of(seq_id)
+            if row is None:
+                row = self._new_row(seq_id)
+            start, n = stable[row], len(table)
+            if n - start == 1:  # a decode step's usual refresh: the block being written
+                idx.append(row * width + start)
+                vals.append(table[start])
+            elif n > start:
+                base = row * width
+                idx.extend(range(base + start, base + n))
+                vals.extend(table[start:])
+            final = done // bs
+            stable[row] = final if final < n else n
+            rows.append(row)
+            lens.append(n)
+            computed.append(done)
+        if not rows:
             self._last = None
-            return []
-        ids, tables, computed = zip(*entries)
-        rows = list(map(self._row.get, ids))
-        if None in rows:
-            self._new_rows(ids, rows)
-        width, nseq = self.table.shape[1], len(rows)
-        row_idx = np.array(rows, dtype=np.int64)
-        lens = np.fromiter(map(len, tables), np.int64, nseq)
-        if int(lens.max()) > width:
-            raise AssertionError(f"block table of {int(lens.max())} blocks exceeds the model length")
-        starts = self._stable[row_idx]
-        counts = lens - starts
-        total = int(counts.sum())
-        if total:
-            tails = map(getitem, tables, map(slice, starts.tolist(), repeat(None)))
-            vals = np.fromiter(chain.from_iterable(tails), np.int32, total)
-            offsets = np.cumsum(counts) - counts  # where each row's tail begins in vals
-            idx = np.repeat(row_idx * width + starts - offsets, counts) + np.arange(total)
-            self.table.reshape(-1)[idx] = vals
-        self._stable[row_idx] = np.minimum(lens, np.fromiter(computed, np.int64, nseq) // self.block_size)
-        self.lens[row_idx] = lens
+            return rows
+        if max(lens) > width:
+            raise AssertionError(f"block table of {max(lens)} blocks exceeds the model length")
+        if idx:
+            self.table.reshape(-1)[np.array(idx, np.int64)] = np.array(vals, np.int32)
+        self.lens[rows] = lens
         self._last = (rows, computed)
         return rows
 
-    def _new_rows(self, ids, rows: list) -> None:
-        for i, row in enumerate(rows):
-            if row is None:
-                assert self._free, "more running sequences than block-table rows"
-                row = rows[i] = self._free.pop()
-                self._row[ids[i]] = row
-                self._stable[row] = 0
+    def _new_row(self, seq_id: int) -> int:
+        assert self._free, "more running sequences than block-table rows"
+        row = self._free.pop()
+        self._row[seq_id] = row
+        self._stable[row] = 0
+        return row
 
     def sync_step(self, scheduled, block_table) -> list[int]:
         """sync() for a step's (sequence, tokens) list; block_table(seq_id): the cache's table."""
@@ -75,7 +77,7 @@ class BlockTables:
         ids = list(map(_seq_id, seqs))
         return self.sync(zip(ids, map(block_table, ids), map(_num_computed, seqs)))
 
-    def computed_of(self, rows) -> tuple[int, ...] | None:
+    def computed_of(self, rows) -> list[int] | None:
         """The computed counts the last sync() was given, if `rows` is what it returned (build_batch
         reuses them rather than asking each sequence again); else None."""
         last = self._last
