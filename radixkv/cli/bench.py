@@ -26,6 +26,7 @@ BENCHMARKS = {
     "cpu": ("benchmarks.cpu", "radixkv vs HF transformers generate on the CPU: one chat, chats after a shared system prompt"),
     "front": ("benchmarks.front", "the front's CPU time per streamed token, a stand-in worker at a fixed step rate (CPU)"),
     "serve": ("benchmarks.serve", "drive a running server with a workload: TTFT, TPOT, latency, hit rate"),
+    "serve-vs-offline": ("benchmarks.serve_vs_offline", "the offline engine vs `radixkv serve` over HTTP, same model and prompts: output tok/s, TTFT, hit rate, ratio"),
 }
 REPO = Path(__file__).resolve().parents[2]  # radixkv/cli/bench.py -> the checkout
 
