@@ -25,6 +25,7 @@ BENCHMARKS = {
     "graph-keys": ("benchmarks.graph_keys", "shared-prefix decode-graph shapes a workload meets while served (CPU)"),
     "cpu": ("benchmarks.cpu", "radixkv vs HF transformers generate on the CPU: one chat, chats after a shared system prompt"),
     "front": ("benchmarks.front", "the front's CPU time per streamed token, a stand-in worker at a fixed step rate (CPU)"),
+    "grammar-masks": ("benchmarks.grammar_masks", "xgrammar vs llguidance: compile, token-bitmask time per step at batch 1-256, schema coverage (CPU)"),
     "serve": ("benchmarks.serve", "drive a running server with a workload: TTFT, TPOT, latency, hit rate"),
     "serve-vs-offline": ("benchmarks.serve_vs_offline", "the offline engine vs `radixkv serve` over HTTP, same model and prompts: output tok/s, TTFT, hit rate, ratio"),
 }
