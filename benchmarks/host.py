@@ -45,15 +45,11 @@ PHASES = ("schedule", "block_tables", "batch", "sampler", "apply", "outputs", "o
 GOAL_MS_AT_256 = 1.0
 
 
-def settle_gc() -> None:
-    """What the worker does once its engine is up (radixkv/engine/worker.py), if it can be imported."""
-    try:
-        from radixkv.engine.worker import settle_gc as worker_settle_gc
-    except ImportError:  # the worker's dependencies (pyzmq, msgspec) not installed
-        gc.collect()
-        gc.freeze()
-        return
-    worker_settle_gc()
+def settle_gc(max_num_seqs: int) -> None:
+    """What the worker does once its engine is up (radixkv/engine/worker.py)."""
+    from radixkv.engine.worker import settle_gc as worker_settle_gc
+
+    worker_settle_gc(max_num_seqs)
 
 
 def measure(model_dir: str, seqs: int = 256, prompt: int = 1152, shared: int = 1024, output: int = 128,
@@ -87,14 +83,14 @@ def measure(model_dir: str, seqs: int = 256, prompt: int = 1152, shared: int = 1
     sync_step = timed("block_tables", tables.sync_step)
     batch_of = timed("batch", build_batch)
 
-    def stub_execute(scheduled, block_table, copy_ops):
+    def stub_execute(scheduled, block_table, copy_ops, feed=None):
         batch = batch_of(scheduled, tables, sync_step(scheduled, block_table))
         return batch, logits[: len(batch.sample_seqs)]
 
     e.runner.execute = stub_execute
     e.runner.release_rows = timed("block_tables", e.runner.release_rows)
     e.scheduler.schedule = timed("schedule", e.scheduler.schedule)
-    e.sampler = timed("sampler", e.sampler)
+    e.sampler = _TimedSampler(e.sampler, timed)
     e._apply = timed("apply", e._apply)
     e._outputs = timed("outputs", e._outputs)
 
@@ -105,8 +101,9 @@ def measure(model_dir: str, seqs: int = 256, prompt: int = 1152, shared: int = 1
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
     for i in range(seqs):
         e.add_request(f"r{i}", system + [rng.randrange(3, vocab) for _ in range(prompt - shared)], params)
+    thresholds = gc.get_threshold()
     if gc_mode == "worker":
-        settle_gc()
+        settle_gc(seqs)
     collections = [0, 0, 0]  # by generation, while timing
 
     def on_gc(phase, info):
@@ -140,12 +137,39 @@ def measure(model_dir: str, seqs: int = 256, prompt: int = 1152, shared: int = 1
         gc.callbacks.remove(on_gc)
         if gc_mode == "worker":
             gc.unfreeze()
+            gc.set_threshold(*thresholds)
     ms = {k: totals[k] / steps * 1e3 for k in PHASES}
     host = sum(ms.values())
     return {"seqs": seqs, "decode_steps": steps, "ms": ms, "host_ms": host,
             "host_ms_without_sampler": host - ms["sampler"],
             "step_ms_p90": sorted(step_times)[int(0.9 * (len(step_times) - 1))] * 1e3,
             "collections": collections, "digest": digest.hexdigest()[:16]}
+
+
+class _TimedSampler:
+    """The engine's sampler with its calls timed as "sampler": a call, or draw() and the
+    output() of what it drew (the host copy), whichever the engine uses."""
+
+    def __init__(self, inner, timed):
+        self._inner, self._timed = inner, timed
+        self._call = timed("sampler", inner)
+        if hasattr(inner, "draw"):
+            self._draw = timed("sampler", inner.draw)
+
+    def __call__(self, *args):
+        return self._call(*args)
+
+    def draw(self, *args):
+        drawn = self._draw(*args)
+        if hasattr(drawn, "output"):
+            try:
+                drawn.output = self._timed("sampler", drawn.output)
+            except AttributeError:  # slots: its host copy is timed where it is read
+                pass
+        return drawn
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def _median_run(runs: list[dict]) -> dict:
