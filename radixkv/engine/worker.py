@@ -86,16 +86,16 @@ def _set_torch_threads(requested: int | None) -> None:
 # when the step is done, but with the default young threshold (700 net allocations) a step of
 # 256 sequences ran a young collection every step; its survivors (the step's outputs, still
 # alive) were promoted until a full collection ran, traversing everything the process holds:
-# torch, the model, every running sequence's token list (`radixkv bench host --gc default`,
-# 127 decode steps: 113/10/1 collections of generations 0/1/2 at 256 sequences, 434/39/3 at
-# 512). So once the engine is up (model loaded, warmed up) the worker freezes what start-up
-# made (never garbage: gc.freeze keeps it out of every later collection) and raises the young
-# threshold well above what a step allocates at max_num_seqs: decode steps then run no
-# collection at all (`--gc worker`: 0/0/0). Collections still run as requests come and go
-# (about one young collection per 50 * max_num_seqs / 20 new requests, each request holding
-# some 20 objects), and they free finished requests, which are reference cycles (Request <->
-# Sequence); the generation thresholds above the young one stay the default. The front does
-# the same after its start-up (tokenizer_server/serve.py).
+# torch, the model, every running sequence's token list (`radixkv bench host --gc default`
+# before this change, 127 decode steps: 112/10/1 collections of generations 0/1/2 at 256
+# sequences, 325/30/2 at 512). So once the engine is up (model loaded, warmed up) the worker
+# freezes what start-up made (never garbage: gc.freeze keeps it out of every later
+# collection) and raises the young threshold well above what a step allocates at
+# max_num_seqs: decode steps then run no collection at all (`--gc worker`: 0/0/0).
+# Collections still run as requests come and go (a request holds some 20 tracked objects: a
+# young collection per ~2.5 * max_num_seqs new requests), and they free finished requests,
+# which are reference cycles (Request <-> Sequence); the thresholds of the older generations
+# stay the default. The front freezes its start-up objects too (tokenizer_server/serve.py).
 GC_YOUNG_OBJECTS_PER_SEQ = 50
 
 
