@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"engine option {name}")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="run each engine step to the end before scheduling the next (default on CUDA: the next "
+                        "step is launched while the last one's tokens are processed)")
     p.add_argument("--restart-worker", action="store_true",
                    help="restart a dead or frozen engine worker instead of exiting, retrying with exponential "
                         "backoff (0.5 s doubling to 30 s) until one is ready; in-flight requests fail with 503")
@@ -63,6 +66,8 @@ def engine_args_from(args) -> dict:
         out["enable_prefix_caching"] = False
     if args.enforce_eager:
         out["enforce_eager"] = True
+    if args.no_async_scheduling:
+        out["async_scheduling"] = False
     return out
 
 
