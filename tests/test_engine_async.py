@@ -116,3 +116,16 @@ def test_random_workloads_with_aborts_keep_the_cache_whole(tiny_llama_dir, seed,
     e = _engine(tiny_llama_dir, True, num_blocks=num_blocks, max_num_batched_tokens=48, max_prefill_chunk=12,
                 max_num_seqs=8)
     _drive(e, [r for r in reqs], {f"r{i}": at for i, at in aborts.items() if i < n})
+
+
+def test_turning_the_overlap_off_mid_run_settles_the_step_in_flight(tiny_llama_dir):
+    reqs = [(f"t{i}", [21 + i, 22, 23], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+            for i in range(2)]
+    sync = _drive(_engine(tiny_llama_dir, False, **BIG_POOL), reqs)
+    e = _engine(tiny_llama_dir, True, **BIG_POOL)
+    for rid, prompt, sp in reqs:
+        e.add_request(rid, prompt, sp)
+    for _ in range(4):
+        e.step()
+    e.async_scheduling = False
+    assert _drive(e, []) == {rid: sync[rid] for rid in sync}

@@ -174,6 +174,7 @@ def engine8b(llama8b_dir):
 
 
 def _drain(engine):
+    engine.async_scheduling = engine.runner.device.type == "cuda"  # back to the default (see _decode_batch)
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -196,7 +197,10 @@ def test_cuda_graph_decode_matches_eager(engine8b):
 
 def _decode_batch(e):
     """The next decode step's batch, its slots reserved as the engine would (not run: each test
-    runs it as often as it likes; every run rewrites the same slots)."""
+    runs it as often as it likes; every run rewrites the same slots). The runner is driven
+    directly from here on, so the overlapped loop is turned off and its step in flight settled."""
+    e.async_scheduling = False
+    e.step()
     scheduled = e.scheduler.schedule().scheduled
     assert scheduled and all(n == 1 for _, n in scheduled)
     return scheduled

@@ -183,7 +183,7 @@ class Engine:
             scheduled = None
         launched = None
         with torch.inference_mode():
-            if self.async_scheduling:
+            if self.async_scheduling or self._pending is not None:  # (turned off with a step in flight)
                 launched = self._step_overlapped(scheduled or [])
             elif scheduled:
                 self._run(scheduled, self.cache.take_copy_ops())
@@ -216,7 +216,8 @@ class Engine:
         pending, self._pending = self._pending, None
         copy_ops = self.cache.take_copy_ops() if scheduled else []
         launched = None
-        if scheduled and all(not s.request.gang and not Sampler.needs_token_values(s) for s, _ in scheduled):
+        if scheduled and self.async_scheduling and \
+                all(not s.request.gang and not Sampler.needs_token_values(s) for s, _ in scheduled):
             feed = None if pending is None or pending.drawn is None else \
                 (pending.drawn.tokens, pending.feed_rows(s for s, _ in scheduled))
             try:
