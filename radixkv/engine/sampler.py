@@ -179,36 +179,44 @@ class Sampler:
     def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> DrawnTokens:
         """The tokens of the rows of `logits`, drawn on the device (nothing copied to the host)."""
         assert logits.shape[0] == len(seqs)
-        logits = logits.float()
+        raw = logits.float()
         params = [s.params for s in seqs]
         want_lp = [p.logprobs for p in params]
-        raw_logprobs = logits.log_softmax(-1)
-        logits = logits.clone()
-        self._mask_min_tokens(logits, seqs)
+        # NOTE: logprobs are of the raw distribution, raw - logsumexp(raw): only the drawn token's
+        # and the asked top k are ever read, so the [rows, vocab] log_softmax is not materialised,
+        # and the logits are copied only for the rows' masks and penalties (most steps have none).
+        lse = torch.logsumexp(raw, -1)
+        scores = raw
+        rows, cols = self._min_tokens_mask(seqs)
         rep = [p.repetition_penalty for p in params]
         freq = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
-        if any(r != 1.0 for r in rep) or any(freq) or any(pres):
-            t = lambda xs: torch.tensor(xs, dtype=torch.float32, device=logits.device)  # noqa: E731
-            apply_penalties(logits, [s.token_ids[: s.num_prompt_tokens] for s in seqs],
+        penalised = any(r != 1.0 for r in rep) or any(freq) or any(pres)
+        if rows or penalised:
+            scores = raw.clone()
+        if rows:
+            scores[torch.tensor(rows, device=raw.device), torch.tensor(cols, device=raw.device)] = float("-inf")
+        if penalised:
+            t = lambda xs: torch.tensor(xs, dtype=torch.float32, device=raw.device)  # noqa: E731
+            apply_penalties(scores, [s.token_ids[: s.num_prompt_tokens] for s in seqs],
                             [s.output_token_ids for s in seqs], t(rep), t(freq), t(pres))
-        tokens = logits.argmax(-1)
+        tokens = scores.argmax(-1)
         if not all(p.greedy for p in params):
-            tokens = torch.where(self._greedy_mask(params), tokens, self._draw(logits, seqs, params))
-        return self._drawn(tokens, raw_logprobs, want_lp)
+            tokens = torch.where(self._greedy_mask(params), tokens, self._draw(scores, seqs, params))
+        return self._drawn(tokens, raw, lse, want_lp)
 
     def _greedy_mask(self, params) -> torch.Tensor:
         return torch.tensor([p.greedy for p in params], device=self.device)
 
-    def _mask_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _min_tokens_mask(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """(rows, token ids) to mask: the stop tokens of rows short of their min_tokens."""
         rows, cols = [], []
         for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens:
+            if s.params.min_tokens and s.num_output_tokens < s.params.min_tokens:
                 stops = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else self.eos)
                 rows += [i] * len(stops)
                 cols += stops
-        if rows:
-            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        return rows, cols
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], params) -> torch.Tensor:
         f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=logits.device)  # noqa: E731
@@ -234,10 +242,11 @@ class Sampler:
         # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick
         return (probs / noise.clamp_min_(1e-30)).argmax(-1)
 
-    def _drawn(self, tokens: torch.Tensor, raw_logprobs, want_lp) -> DrawnTokens:
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    def _drawn(self, tokens: torch.Tensor, raw: torch.Tensor, lse: torch.Tensor, want_lp) -> DrawnTokens:
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
         asked = [k for k in want_lp if k]
         top_vals = top_ids = None
         if asked:
-            top_vals, top_ids = raw_logprobs.topk(min(max(asked), raw_logprobs.shape[1]), dim=-1)
+            top_vals, top_ids = raw.topk(min(max(asked), raw.shape[1]), dim=-1)
+            top_vals = top_vals - lse.unsqueeze(1)
         return DrawnTokens(tokens, chosen, top_vals, top_ids, want_lp)
