@@ -18,6 +18,11 @@ do_sample=False) ranks them: cumulative logprob / generated_len ** length_penalt
 log-probabilities, so temperature and seed do not apply, and the fields that would reshape the
 distribution (top_p, top_k, min_p, penalties) must stay at their defaults.
 
+Structured outputs (`structured_outputs=StructuredOutputs(json=schema)`, or one of json_object,
+regex, choice, grammar): every sample's output is constrained to the grammar (radixkv/engine/
+structured.py, through xgrammar); the sample ends with "stop" when the grammar is complete. The
+shape of the spec is checked here (torch-free); the engine compiles it when the request is added.
+
 Stop strings (`stop`) and the text fields (`skip_special_tokens`, `include_stop_str_in_output`)
 are applied by the output processor (radixkv/output_processor.py) of the front and of the
 offline LLM; the engine itself works on token ids and ignores them.
@@ -32,6 +37,7 @@ ranges, e.g. temperature <= 2, n <= 128, and what fits the wire's int64), in api
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import MISSING, dataclass, field, fields
 
@@ -71,6 +77,8 @@ class Rule:
             return isinstance(v, str) and self._in_bounds(len(v))
         if self.kind is list:
             return isinstance(v, (list, tuple)) and all(self.items.admits(x) for x in v)
+        if self.kind is StructuredOutputs:  # its own fields: validate_structured_outputs
+            return isinstance(v, StructuredOutputs)
         raise TypeError(f"no check for {self.kind}")
 
     def _in_bounds(self, v) -> bool:
@@ -120,6 +128,95 @@ def _is_num(x) -> bool:
     return True
 
 
+# JSON-schema keywords xgrammar would ignore (its output would not keep them): refused up front
+UNSUPPORTED_JSON_SCHEMA_KEYWORDS = ("uniqueItems", "not", "if", "then", "else", "patternProperties")
+# keywords whose values are maps of names to schemas, and those whose values are data, not schemas
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_DATA = ("enum", "const", "default", "examples", "required", "title", "description", "$comment",
+                "pattern", "format", "type", "$ref", "$schema", "$id")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must match (vLLM's names): exactly one of a JSON schema (dict or JSON text),
+    any JSON object, a regex, one of a list of strings, or an EBNF grammar (llama.cpp's GBNF form,
+    rule `root`)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """The one field set (after validate_structured_outputs)."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+    def schema(self) -> dict:
+        """The JSON schema as a dict (kind "json")."""
+        return self.json if isinstance(self.json, dict) else _json.loads(self.json)
+
+
+_STRUCTURED_FIELDS = frozenset(f.name for f in fields(StructuredOutputs))
+
+
+def validate_structured_outputs(so: StructuredOutputs) -> None:
+    """Exactly one field set, of its type; a JSON schema parses and uses no keyword xgrammar
+    ignores. ParamError names the field ("structured_outputs.json")."""
+    name = "structured_outputs"
+    if not isinstance(so.json_object, bool):
+        raise ParamError(f"{name}.json_object", f"{name}.json_object must be a bool, got {so.json_object!r}")
+    given = [k for k in ("json", "regex", "choice", "grammar") if getattr(so, k) is not None]
+    given += ["json_object"] if so.json_object else []
+    if len(given) != 1:
+        raise ParamError(name, f"{name}: exactly one of json, json_object, regex, choice, grammar must be set, "
+                               f"got {', '.join(given) or 'none'}")
+    field_name = f"{name}.{given[0]}"
+    if so.json is not None:
+        if not isinstance(so.json, (dict, str)):
+            raise ParamError(field_name, f"{field_name} must be a JSON schema (a dict or its JSON text), "
+                                         f"got {type(so.json).__name__}")
+        try:
+            schema = so.schema()
+        except ValueError as e:
+            raise ParamError(field_name, f"{field_name}: not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ParamError(field_name, f"{field_name} must be a JSON object (a schema), got {schema!r}")
+        found = sorted(set(_unsupported_keywords(schema)), key=UNSUPPORTED_JSON_SCHEMA_KEYWORDS.index)
+        if found:
+            raise ParamError(field_name, f"{field_name}: the JSON-schema keywords {', '.join(found)} are not "
+                                         "supported (the grammar would not enforce them)")
+    for k in ("regex", "grammar"):
+        v = getattr(so, k)
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ParamError(f"{name}.{k}", f"{name}.{k} must be a non-empty str, got {v!r}")
+    if so.choice is not None:
+        c = so.choice
+        if not isinstance(c, (list, tuple)) or not c or not all(isinstance(x, str) and x for x in c):
+            raise ParamError(field_name, f"{field_name} must be a non-empty list of non-empty strs, got {c!r}")
+
+
+def _unsupported_keywords(schema):
+    """The unsupported keywords used anywhere in `schema` (property names are not keywords)."""
+    if isinstance(schema, list):
+        for s in schema:
+            yield from _unsupported_keywords(s)
+        return
+    if not isinstance(schema, dict):
+        return
+    for k, v in schema.items():
+        if k in UNSUPPORTED_JSON_SCHEMA_KEYWORDS:
+            yield k
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            for sub in v.values():
+                yield from _unsupported_keywords(sub)
+        elif k not in _SCHEMA_DATA:
+            yield from _unsupported_keywords(v)
+
+
 def _param(default, rule: Rule, doc: str, *, beam: bool = False):
     """A SamplingParams field: default, rule, one-line doc (also the CLI's help). beam: the field
     applies to beam search only."""
@@ -167,10 +264,17 @@ class SamplingParams:
     early_stopping: bool | str = _param(False, Rule(bool, choices=("never",), what="True, False or 'never'"),
                                         "True: stop at beam_width finished beams; False: HF's heuristic; 'never'",
                                         beam=True)
+    # structured outputs (radixkv/engine/structured.py)
+    structured_outputs: StructuredOutputs | None = _param(
+        None, Rule(StructuredOutputs, nullable=True, what="a StructuredOutputs"),
+        "constrain the output: a JSON schema, json_object, regex, choice or EBNF grammar")
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # as vLLM: one stop string may be given bare
             self.stop = [self.stop]
+        so = self.structured_outputs
+        if isinstance(so, dict) and set(so) <= _STRUCTURED_FIELDS:  # as vLLM: the spec may be a dict
+            self.structured_outputs = StructuredOutputs(**so)  # (other keys: validate() refuses the dict)
 
     @property
     def num_samples(self) -> int:
@@ -220,6 +324,10 @@ def validate(p: SamplingParams) -> None:
         raise ParamError("best_of", f"best_of: must be >= n ({p.n}), got {p.best_of}")
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
         raise ParamError("min_tokens", f"min_tokens: {p.min_tokens} is more than max_tokens ({p.max_tokens})")
+    if p.structured_outputs is not None:
+        validate_structured_outputs(p.structured_outputs)
+        if p.use_beam_search:
+            raise ParamError("structured_outputs", "structured_outputs: not supported with use_beam_search")
     if p.use_beam_search:
         _validate_beam_search(p)
         return
@@ -248,6 +356,8 @@ def _validate_beam_search(p: SamplingParams) -> None:
 
 # `--beam-width W` turns beam search on; the flag use_beam_search would only repeat it
 _CLI_IMPLIED = ("use_beam_search",)
+# no flag: a structured spec is no single command-line value (LLM.generate and the API take it)
+_CLI_SKIPPED = ("structured_outputs",)
 
 
 def add_cli_arguments(sampling_group, beam_group, *, defaults: dict | None = None, helps: dict | None = None) -> None:
@@ -257,7 +367,7 @@ def add_cli_arguments(sampling_group, beam_group, *, defaults: dict | None = Non
 
     defaults, helps = defaults or {}, helps or {}
     for name, f in FIELDS.items():
-        if name in _CLI_IMPLIED:
+        if name in _CLI_IMPLIED or name in _CLI_SKIPPED:
             continue
         group = beam_group if f.metadata["beam"] else sampling_group
         r, flag = f.metadata["rule"], "--" + name.replace("_", "-")
@@ -275,7 +385,7 @@ def add_cli_arguments(sampling_group, beam_group, *, defaults: dict | None = Non
 
 def from_cli_args(args) -> SamplingParams:
     """The SamplingParams of parsed add_cli_arguments flags; the beam fields apply with --beam-width."""
-    kw = {name: getattr(args, name) for name in FIELDS if name not in _CLI_IMPLIED}
+    kw = {name: getattr(args, name) for name in FIELDS if name not in _CLI_IMPLIED and name not in _CLI_SKIPPED}
     kw = {k: v for k, v in kw.items() if v is not None or rule(k).nullable}
     kw["early_stopping"] = {"false": False, "true": True}.get(kw["early_stopping"], kw["early_stopping"])
     beam = args.beam_width is not None

@@ -45,6 +45,7 @@ from radixkv.engine.sampler import DrawnTokens, Sampler
 from radixkv.engine.sampling_params import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.sequence import Request, Sequence, Status
+from radixkv.engine.structured import Grammars, accept
 from radixkv.engine.validate import RequestLimits, validate_request
 from radixkv.models.config import load_model_config
 
@@ -61,7 +62,8 @@ __all__ = ["Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "Sampl
 # A sequence that finished at step N may thus be computed once more at N+1: that row is
 # discarded and never committed; its blocks were freed when it finished. Steps that need the
 # token values on the host run synchronously (after settling): beam search (the next beams are
-# chosen on the host) and penalties (they count the output tokens' ids).
+# chosen on the host), penalties (they count the output tokens' ids) and structured outputs (a
+# row's grammar mask is filled from a matcher that must have accepted the last token).
 PENDING_TOKEN = -1
 
 
@@ -105,6 +107,8 @@ class Engine:
         self._pending: StepResult | None = None  # launched, its tokens not settled yet (overlapped loop)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.sampler = Sampler(self.device, self.model_config.eos_token_ids, config.seed)
+        # structured outputs: the tokenizer and the grammar compiler are loaded at the first constrained request
+        self.grammars = Grammars(config.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self._draws = self.sampler.draws  # apart: profilers wrap self.sampler in a plain function
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -120,6 +124,8 @@ class Engine:
         params = SamplingParams() if params is None else params
         validate_request(self.limits, request_id, prompt_token_ids, params, cache_salt, self.requests)
         req = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), cache_salt)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.compile(params.structured_outputs)  # ParamError naming the field
         if params.use_beam_search:
             # the next beams are chosen from all beams' logits at once: a gang, never preempted
             req.beam = self._beam_search(len(prompt_token_ids), params)
@@ -142,7 +148,8 @@ class Engine:
 
     def _new_sequence(self, req: Request, index: int, token_ids: list[int], logprobs: list | None = None) -> Sequence:
         return Sequence(next(self._seq_ids), req, index, token_ids, self.cache,
-                        logprobs=[] if logprobs is None else logprobs)
+                        logprobs=[] if logprobs is None else logprobs,
+                        matcher=None if req.grammar is None else self.grammars.matcher(req.grammar))
 
     @property
     def limits(self) -> RequestLimits:
@@ -217,7 +224,8 @@ class Engine:
         copy_ops = self.cache.take_copy_ops() if scheduled else []
         launched = None
         if scheduled and self.async_scheduling and \
-                all(not s.request.gang and not Sampler.needs_token_values(s) for s, _ in scheduled):
+                all(not s.request.gang and s.matcher is None and not Sampler.needs_token_values(s)
+                    for s, _ in scheduled):
             feed = None if pending is None or pending.drawn is None else \
                 (pending.drawn.tokens, pending.feed_rows(s for s, _ in scheduled))
             try:
@@ -414,7 +422,9 @@ class Engine:
         self._news[seq.request.request_id] = seq.request
         p = seq.params
         reason = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if seq.matcher is not None and accept(seq, token):  # the grammar is complete
+            reason = "stop"
+        elif token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
         elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             reason = "length"

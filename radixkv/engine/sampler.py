@@ -1,6 +1,7 @@
 """Batched sampling over the logits rows of the sequences that produce a token this step.
 
-Order (vLLM's): min_tokens masking, penalties, then greedy argmax or temperature, min-p,
+Order (vLLM's): min_tokens masking, penalties, the grammar mask of structured outputs (its
+rows only; engine/structured.py), then greedy argmax or temperature, min-p,
 top-k / top-p and a draw. The draw is an exponential race (argmax of p / E with E ~ Exp(1)),
 which samples from p; each seeded sequence fills its own E from its own generator, so its
 tokens do not depend on what else is in the batch. Logprobs are of the raw model
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from radixkv.engine.sequence import Sequence
+from radixkv.engine.structured import apply_bitmask, fill_bitmask
 
 
 @dataclass
@@ -192,7 +194,8 @@ class Sampler:
         freq = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
         penalised = any(r != 1.0 for r in rep) or any(freq) or any(pres)
-        if rows or penalised:
+        grammar = fill_bitmask(seqs, raw.shape[1]) if any(s.matcher is not None for s in seqs) else None
+        if rows or penalised or grammar:
             scores = raw.clone()
         if rows:
             scores[torch.tensor(rows, device=raw.device), torch.tensor(cols, device=raw.device)] = float("-inf")
@@ -200,6 +203,8 @@ class Sampler:
             t = lambda xs: torch.tensor(xs, dtype=torch.float32, device=raw.device)  # noqa: E731
             apply_penalties(scores, [s.token_ids[: s.num_prompt_tokens] for s in seqs],
                             [s.output_token_ids for s in seqs], t(rep), t(freq), t(pres))
+        if grammar:
+            apply_bitmask(scores, *grammar)
         tokens = scores.argmax(-1)
         if not all(p.greedy for p in params):
             tokens = torch.where(self._greedy_mask(params), tokens, self._draw(scores, seqs, params))

@@ -49,6 +49,7 @@ class Sequence:
     finish_reason: str | None = None
     num_emitted: int = 0  # output tokens already reported
     generator: object | None = None  # torch.Generator for seeded sampling, made on first use
+    matcher: object | None = None  # xgrammar GrammarMatcher of a constrained request (engine/structured.py)
 
     @property
     def num_computed_tokens(self) -> int:
@@ -125,6 +126,7 @@ class Request:
     beam: "BeamSearch | None" = None  # beam search state (use_beam_search)
     gang: bool = False  # its live sequences are scheduled together (see the module docstring)
     pinned_blocks: int = 0  # > 0: never preempted, this worst case reserved at admission
+    grammar: object | None = None  # the compiled grammar of params.structured_outputs
     num_computed_prompt_tokens: int = 0  # prompt positions computed, over all sequences and recomputes
     sharing: BlockSharing = field(default_factory=BlockSharing)
 
