@@ -106,6 +106,9 @@ class Engine:
             else self.runner.device.type == "cuda"
         self._pending: StepResult | None = None  # launched, its tokens not settled yet (overlapped loop)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        # what a new request is checked against (validate_request); fixed once the pool is sized
+        self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.runner.max_positions,
+                                    self.num_blocks, self.block_size, config.max_num_seqs, tuple(self.eos_token_ids))
         self.sampler = Sampler(self.device, self.model_config.eos_token_ids, config.seed)
         # structured outputs: the tokenizer and the grammar compiler are loaded at the first constrained request
         self.grammars = Grammars(config.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
@@ -150,12 +153,6 @@ class Engine:
         return Sequence(next(self._seq_ids), req, index, token_ids, self.cache,
                         logprobs=[] if logprobs is None else logprobs,
                         matcher=None if req.grammar is None else self.grammars.matcher(req.grammar))
-
-    @property
-    def limits(self) -> RequestLimits:
-        """What a new request is checked against (validate_request)."""
-        return RequestLimits(self.model_config.vocab_size, self.max_model_len, self.runner.max_positions,
-                             self.num_blocks, self.block_size, self.config.max_num_seqs, tuple(self.eos_token_ids))
 
     def max_new_tokens(self, prompt_len: int, p: SamplingParams) -> int:
         return self.limits.max_new_tokens(prompt_len, p)
@@ -255,11 +252,10 @@ class Engine:
         for i, seq in enumerate(result.samples):
             if seq.token_ids[-1] != PENDING_TOKEN:
                 continue  # finished before its pending token was appended
+            seq.token_ids.pop()
             if seq.is_finished:
-                seq.token_ids.pop()
                 continue
             try:
-                seq.token_ids.pop()
                 self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
             except Exception as exc:
                 self._fail(seq.request, exc)

@@ -190,10 +190,7 @@ class Sampler:
         lse = torch.logsumexp(raw, -1)
         scores = raw
         rows, cols = self._min_tokens_mask(seqs)
-        rep = [p.repetition_penalty for p in params]
-        freq = [p.frequency_penalty for p in params]
-        pres = [p.presence_penalty for p in params]
-        penalised = any(r != 1.0 for r in rep) or any(freq) or any(pres)
+        penalised = any(map(self.needs_token_values, seqs))
         grammar = fill_bitmask(seqs, raw.shape[1]) if any(s.matcher is not None for s in seqs) else None
         if rows or penalised or grammar:
             scores = raw.clone()
@@ -202,7 +199,8 @@ class Sampler:
         if penalised:
             t = lambda xs: torch.tensor(xs, dtype=torch.float32, device=raw.device)  # noqa: E731
             apply_penalties(scores, [s.token_ids[: s.num_prompt_tokens] for s in seqs],
-                            [s.output_token_ids for s in seqs], t(rep), t(freq), t(pres))
+                            [s.output_token_ids for s in seqs], t([p.repetition_penalty for p in params]),
+                            t([p.frequency_penalty for p in params]), t([p.presence_penalty for p in params]))
         if grammar:
             apply_bitmask(scores, *grammar)
         tokens = scores.argmax(-1)

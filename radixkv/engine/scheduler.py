@@ -156,9 +156,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = self._schedule_decodes() if not self.waiting else None
-        if out is not None:
-            out.freed_seq_ids, self._freed = self._freed, []
-            return out
+        if out is None:
+            out = self._schedule_all()
+        out.freed_seq_ids, self._freed = self._freed, []
+        return out
+
+    def _schedule_all(self) -> SchedulerOutput:
+        """Running sequences first (chunks, decodes, gangs, preemption), then admissions."""
         out = SchedulerOutput()
         limit, chunk, reserve, running = self.max_num_batched_tokens, self.max_prefill_chunk, \
             self.cache.try_reserve, Status.RUNNING
@@ -181,7 +185,6 @@ class Scheduler:
                 out.num_batched_tokens += n
         if not out.preempted:  # admitting right after a preemption would only thrash
             out.num_batched_tokens = limit - self._admit(out, limit - out.num_batched_tokens)
-        out.freed_seq_ids, self._freed = self._freed, []
         return out
 
     def _schedule_decodes(self) -> SchedulerOutput | None:
