@@ -113,18 +113,6 @@ def request_output(req: "Request", finished: bool) -> RequestOutput | None:
     """What `req` reports now: new tokens of each sample; with best_of or beam search, only the n
     best and only at the end (None before)."""
     p = req.params
-    seqs = req.seqs
-    if req.beam is None and len(seqs) == 1 and p.num_samples <= p.n:  # the common case, inline
-        s = seqs[0]
-        toks, emitted, reason = s.token_ids, s.num_emitted, s.finish_reason
-        start, stop = len(req.prompt_token_ids), len(toks)
-        s.num_emitted = stop - start
-        c = CompletionOutput(s.index, toks[start + emitted :],
-                             OutputTokens(toks, start, stop) if reason is None else toks[start:],
-                             s.logprobs[emitted:] if p.logprobs is not None else None, reason, s.cumulative_logprob)
-        if finished:
-            return _make_output(req, [c], True)
-        return RequestOutput(req.request_id, [c], req.prompt_token_ids, req.num_cached_tokens or 0, False)
     if req.beam is not None:
         if not finished:
             return None
@@ -134,7 +122,7 @@ def request_output(req: "Request", finished: bool) -> RequestOutput | None:
                                         h.finish_reason, h.cumulative_logprob)
                        for rank, h in enumerate(req.beam.results(p.n, live))]
         return _make_output(req, completions, finished)
-    seqs = seqs if len(seqs) == 1 else sorted(seqs, key=lambda s: s.index)
+    seqs = req.seqs if len(req.seqs) == 1 else sorted(req.seqs, key=lambda s: s.index)
     best_of = p.num_samples > p.n
     if best_of:
         if not finished:
@@ -144,19 +132,19 @@ def request_output(req: "Request", finished: bool) -> RequestOutput | None:
         seqs = seqs[: p.n]
         for s in seqs:
             s.num_emitted = 0
-    completions = []
-    want_lp = p.logprobs is not None
-    start = len(req.prompt_token_ids)
-    for rank, s in enumerate(seqs):
-        toks, emitted, reason = s.token_ids, s.num_emitted, s.finish_reason
-        stop = len(toks)
-        new = toks[start + emitted :]  # the new tokens only: the per-step cost does not grow with the output
-        lps = s.logprobs[emitted:] if want_lp else None
-        s.num_emitted = stop - start
-        completions.append(CompletionOutput(rank if best_of else s.index, new,
-                                            OutputTokens(toks, start, stop) if reason is None else toks[start:],
-                                            lps, reason, s.cumulative_logprob))
+    want_lp, start = p.logprobs is not None, len(req.prompt_token_ids)
+    completions = [_choice(s, rank if best_of else s.index, start, want_lp) for rank, s in enumerate(seqs)]
     return _make_output(req, completions, finished)
+
+
+def _choice(s, index: int, start: int, want_lp: bool) -> CompletionOutput:
+    """A sample's output since its last report: the new tokens only, so the per-step cost does
+    not grow with the output; all of them as a window until it finishes."""
+    toks, emitted, reason = s.token_ids, s.num_emitted, s.finish_reason
+    s.num_emitted = len(toks) - start
+    return CompletionOutput(index, toks[start + emitted :],
+                            OutputTokens(toks, start, len(toks)) if reason is None else toks[start:],
+                            s.logprobs[emitted:] if want_lp else None, reason, s.cumulative_logprob)
 
 
 def failed_output(req: "Request") -> RequestOutput:

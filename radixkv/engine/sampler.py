@@ -191,7 +191,7 @@ class Sampler:
         scores = raw
         rows, cols = self._min_tokens_mask(seqs)
         penalised = any(map(self.needs_token_values, seqs))
-        grammar = fill_bitmask(seqs, raw.shape[1]) if any(s.matcher is not None for s in seqs) else None
+        grammar = fill_bitmask(seqs, raw.shape[1])  # None when no row is constrained
         if rows or penalised or grammar:
             scores = raw.clone()
         if rows:

@@ -133,7 +133,7 @@ class Grammars:
         c, kind = self.compiler, key[0]
         try:
             if kind == "json":
-                schema = json.dumps(bounded_strings_as_patterns(json.loads(key[1])))
+                schema = json.dumps(bounded_strings_as_patterns(so.schema()))
                 compiled = c.compile_json_schema(schema, any_whitespace=False)
             elif kind == "json_object":
                 # an object (as OpenAI's json_object), any members; compact, as the schemas
