@@ -35,14 +35,13 @@ class Batch:
 def build_batch(scheduled: list[tuple[Sequence, int]], tables: BlockTables, rows: list[int]) -> Batch:
     """scheduled: (sequence, tokens to compute), tokens starting at the sequence's computed count;
     rows: each sequence's row in `tables` (synced for this step). Per sequence, Python fetches
-    its computed count (unless the sync just did), its token list and the tokens of its chunk
+    its computed count, its token list and the tokens of its chunk
     (a decode's: the last one); the rest is numpy over the whole batch."""
     nseq = len(scheduled)
     assert nseq > 0 and len(rows) == nseq
     block_size = tables.block_size
     seqs = list(map(_first, scheduled))
-    computed = tables.computed_of(rows)
-    starts = np.fromiter(map(_num_computed, seqs) if computed is None else computed, np.int64, nseq)
+    starts = np.fromiter(map(_num_computed, seqs), np.int64, nseq)
     lens = np.fromiter(map(_second, scheduled), np.int64, nseq)
     toks = list(map(_token_ids, seqs))
     num_tokens = np.fromiter(map(len, toks), np.int64, nseq)

@@ -6,8 +6,7 @@ Re-converting every table from Python lists each step costs ~40 ns per entry (0.
 have changed: entries of blocks computed before the last refresh are final (the cache only
 rewrites a table at the block being written, by copy-on-write, and at blocks committed in
 that step, by deduplication), so a decode step rewrites one or two entries per sequence.
-One scatter writes what changed in all rows; build_batch reuses the computed counts the sync
-was given (computed_of) rather than asking each sequence again.
+One scatter writes what changed in all rows.
 """
 
 from __future__ import annotations
@@ -28,14 +27,13 @@ class BlockTables:
         self._row: dict[int, int] = {}
         self._stable = [0] * max_rows  # per row: entries known final
         self._free = list(range(max_rows - 1, -1, -1))
-        self._last: tuple[list[int], list[int]] | None = None  # the last sync's rows and computed counts
 
     def sync(self, entries) -> list[int]:
         """entries: (seq_id, the cache's block table, computed tokens) per sequence of the step.
         Refreshes their rows with one scatter; returns the rows."""
         width, bs = self.table.shape[1], self.block_size
         row_of, stable = self._row.get, self._stable
-        rows, lens, computed, idx, vals = [], [], [], [], []
+        rows, lens, idx, vals = [], [], [], []
         for seq_id, table, done in entries:
             row = row_of(seq_id)
             if row is None:
@@ -52,16 +50,13 @@ class BlockTables:
             stable[row] = final if final < n else n
             rows.append(row)
             lens.append(n)
-            computed.append(done)
         if not rows:
-            self._last = None
             return rows
         if max(lens) > width:
             raise AssertionError(f"block table of {max(lens)} blocks exceeds the model length")
         if idx:
             self.table.reshape(-1)[np.array(idx, np.int64)] = np.array(vals, np.int32)
         self.lens[rows] = lens
-        self._last = (rows, computed)
         return rows
 
     def _new_row(self, seq_id: int) -> int:
@@ -76,12 +71,6 @@ class BlockTables:
         seqs = [s for s, _ in scheduled]
         ids = list(map(_seq_id, seqs))
         return self.sync(zip(ids, map(block_table, ids), map(_num_computed, seqs)))
-
-    def computed_of(self, rows) -> list[int] | None:
-        """The computed counts the last sync() was given, if `rows` is what it returned (build_batch
-        reuses them rather than asking each sequence again); else None."""
-        last = self._last
-        return last[1] if last is not None and last[0] is rows else None
 
     def release(self, seq_id: int) -> None:
         row = self._row.pop(seq_id, None)
