@@ -269,11 +269,7 @@ class GenerationGroup:
         r.started = True
         r.num_cached_tokens = d.num_cached_tokens
         if any(c.new_token_ids for c in d.choices):
-            if r.last_token_time is None:
-                self.metrics.ttft.observe(now - self.arrival)
-            else:
-                self.metrics.itl.observe(now - r.last_token_time)
-            r.last_token_time = now
+            self._observe_token_time(r, now)
         events = [ev for c in d.choices if (ev := self._on_choice(r.choices[c.index], c)) is not None]
         if d.finished:
             r.engine_finished = True
@@ -288,11 +284,7 @@ class GenerationGroup:
         """_on_delta for one running choice's new tokens, without logprobs: the same accounting."""
         now = time.monotonic()
         r.num_cached_tokens = num_cached
-        if r.last_token_time is None:
-            self.metrics.ttft.observe(now - self.arrival)
-        else:
-            self.metrics.itl.observe(now - r.last_token_time)
-        r.last_token_time = now
+        self._observe_token_time(r, now)
         ids = c.new_token_ids
         ch.num_tokens += len(ids)
         text = ch.text.process(ids)
@@ -304,6 +296,14 @@ class GenerationGroup:
                 r.engine_finished = True
                 self.metrics.e2e.observe(now - self.arrival)
         return [ChoiceEvent(ch.index, text, list(ids), None, None, reason)]
+
+    def _observe_token_time(self, r: _EngineRequest, now: float) -> None:
+        """Tokens of `r` arrived at `now`: time to first token, or the gap since the last."""
+        if r.last_token_time is None:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            self.metrics.itl.observe(now - r.last_token_time)
+        r.last_token_time = now
 
     def _on_choice(self, ch: _Choice, c: P.ChoiceDelta) -> ChoiceEvent | None:
         if ch.finish_reason is not None:
